@@ -1,0 +1,1 @@
+"""Backend-neutral core: interfaces, value types, config, validator, engine loop, metrics."""

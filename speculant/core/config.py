@@ -1,0 +1,187 @@
+"""The engine configuration: pydantic models for everything a user writes.
+
+Load from TOML, YAML, JSON, a dict or a model; unknown keys are errors and every error
+names the field path (``drafter.block_size``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from speculant.core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BackendConfig(_Section):
+    kind: str = "torch"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps | gpu (mlx)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+
+
+class TargetConfig(_Section):
+    path: Path
+    trust_remote_code: bool = False
+
+
+class QuantizationConfig(_Section):
+    """In-memory draft quantization (weight bits, activation bits, group size)."""
+
+    weight_bits: int | None = None  # None = off; 2 | 4 | 8
+    activation_bits: int = 16  # 16 | 32
+    group_size: int = 64  # 32 | 64 | 128
+
+
+class DrafterConfig(_Section):
+    kind: str | None = None  # None or "none" = plain decoding
+    path: Path | None = None
+    block_size: int | None = None  # runtime block (anchor + proposals); None = trained block
+    quantization: QuantizationConfig | str | None = None  # e.g. "w4a16:gs64"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind not in (None, "none", "")
+
+
+class VerifierConfig(_Section):
+    kind: str = "auto"  # auto | greedy | speculative_sampling | adaptive | plugin name
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingConfig(_Section):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class GenerationConfig(_Section):
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_strings: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+
+class EngineConfig(_Section):
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    target: TargetConfig
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+    @classmethod
+    def load(cls, source: "EngineConfig | dict | str | Path") -> "EngineConfig":
+        """Build from a model, a dict, or a .toml / .yaml / .yml / .json file."""
+        if isinstance(source, EngineConfig):
+            return source
+        base = None
+        if isinstance(source, (str, Path)):
+            base = Path(source).resolve().parent
+            source = read_config_file(source)
+        if not isinstance(source, dict):
+            raise ConfigError(f"an engine config must be a table/mapping, got {type(source).__name__}")
+        try:
+            config = cls.model_validate(source)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc)) from None
+        return config.resolved_paths(base) if base else config
+
+    def resolved_paths(self, base: Path) -> "EngineConfig":
+        """Relative model paths in a config file are relative to that file."""
+        data = self.model_copy(deep=True)
+        if not data.target.path.is_absolute():
+            data.target.path = base / data.target.path
+        if data.drafter.path is not None and not data.drafter.path.is_absolute():
+            data.drafter.path = base / data.drafter.path
+        return data
+
+
+def read_config_file(path: str | Path) -> dict:
+    """Parse a TOML, YAML or JSON file into a dict, with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    try:
+        if suffix == ".toml":
+            return tomllib.loads(text)
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+            return {} if data is None else data
+        if suffix == ".json":
+            return json.loads(text)
+    except Exception as exc:  # each parser raises its own type
+        raise ConfigError(f"cannot parse {path} as {suffix[1:].upper()}: {exc}") from None
+    raise ConfigError(f"unknown config format {suffix!r} for {path}: use .toml, .yaml, .yml or .json")
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see the config reference in README.md)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{field}: {msg}")
+    return "invalid engine config:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+_QUANT_BITS = (2, 4, 8)
+_QUANT_ACT = (16, 32)
+_QUANT_GROUPS = (32, 64, 128)
+
+
+def parse_quantization(spec: "QuantizationConfig | str | None") -> QuantizationConfig | None:
+    """Parse ``w4a16:gs64``-style specs (also ``w8``, ``w4:gs32``, ``off``)."""
+    if spec is None or isinstance(spec, QuantizationConfig):
+        return spec
+    text = spec.strip().lower()
+    if text in ("", "off", "none"):
+        return None
+    weight, _, group = text.partition(":")
+    try:
+        if not weight.startswith("w"):
+            raise ValueError
+        wbits, _, abits = weight[1:].partition("a")
+        gs = 64
+        if group:
+            if not group.startswith("gs"):
+                raise ValueError
+            gs = int(group[2:])
+        return QuantizationConfig(weight_bits=int(wbits), activation_bits=int(abits or 16), group_size=gs)
+    except ValueError:
+        raise ConfigError(
+            f"drafter.quantization: cannot parse {spec!r}; expected 'w<bits>[a<bits>][:gs<group>]', e.g. 'w4a16:gs64'"
+        ) from None
+
+
+QUANTIZATION_CHOICES = {"weight_bits": _QUANT_BITS, "activation_bits": _QUANT_ACT, "group_size": _QUANT_GROUPS}

@@ -1,0 +1,311 @@
+"""The scheduler: one backend + target + drafter + verifier, and the draft/verify loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from speculant.core.config import EngineConfig, GenerationConfig, SamplingConfig
+from speculant.core.errors import ContextTooLongError, GenerationError, ValidationFailed
+from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
+from speculant.core.metrics import GenerationStats
+from speculant.core.text import StreamDecoder
+from speculant.core.types import Capture, Chunk, Draft, DraftRequest, SamplingParams
+from speculant.core.validator import Report, validate
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class Engine:
+    """Generates with one model pairing; reuse it across prompts (weights load once)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend: Backend,
+        target: TargetModel,
+        verifier: Verifier,
+        drafter: Drafter | None = None,
+        report: Report | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.target = target
+        self.drafter = drafter
+        self.verifier = verifier
+        self.report = report
+        self.last_stats: GenerationStats | None = None
+        self.last_token_ids: list[int] = []
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, source: EngineConfig | dict | str | Path, registry: Any = None) -> "Engine":
+        """Validate the pairing (no weights yet), then load target and drafter."""
+        if registry is None:
+            from importlib import import_module
+
+            registry = import_module("speculant.plugins.manager").get_registry()
+        config = EngineConfig.load(source)
+        report = validate(config, registry)
+        if not report.ok:
+            raise ValidationFailed(report.errors)
+        backend = registry.backends[config.backend.kind](config.backend)
+        target = backend.load_target(str(config.target.path), report.target)
+        drafter = None
+        if config.drafter.enabled:
+            factory = registry.drafters[config.drafter.kind]
+            drafter = factory.load(config.drafter, report.drafter, backend, target)
+        verifier = _make_verifier(config, registry)
+        return cls(config, backend, target, verifier, drafter, report)
+
+    @property
+    def block_size(self) -> int:
+        if self.drafter is None:
+            return 1
+        return self.config.drafter.block_size or self.drafter.info.trained_block_size or 2
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    # -- public API ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        **overrides: Any,
+    ) -> Iterator[Chunk]:
+        """Stream chunks of new text and token ids; stats land in ``last_stats``.
+
+        ``overrides`` may set any ``sampling`` or ``generation`` field for this call
+        (``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``stop_strings``,
+        ``ignore_eos``) and ``block_size``.
+        """
+        ids = self._prompt_ids(prompt, prompt_ids)
+        sampling, generation, block = self._settings(max_new_tokens, overrides)
+        return self._stream(ids, sampling, generation, block)
+
+    def run(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
+        """Generate to completion and return text, token ids and stats."""
+        chunks = list(self.generate(prompt, **kwargs))
+        text = "".join(c.text for c in chunks)
+        return GenerationResult(text, list(self.last_token_ids), self.last_stats)
+
+    # -- internals -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | None, prompt_ids: Sequence[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("pass exactly one of prompt or prompt_ids")
+        if prompt_ids is None:
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.target.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_ids contains ids outside the vocabulary 0..{vocab - 1}: {bad[:5]}")
+        return ids
+
+    def _settings(self, max_new_tokens, overrides):
+        sampling_data = self.config.sampling.model_dump()
+        generation_data = self.config.generation.model_dump()
+        block = overrides.pop("block_size", None) or self.block_size
+        for key, value in overrides.items():
+            if key in sampling_data:
+                sampling_data[key] = value
+            elif key in generation_data:
+                generation_data[key] = value
+            else:
+                raise TypeError(f"generate() got an unexpected setting {key!r}")
+        if max_new_tokens is not None:
+            generation_data["max_new_tokens"] = max_new_tokens
+        sampling = SamplingConfig.model_validate(sampling_data)
+        generation = GenerationConfig.model_validate(generation_data)
+        if self.drafter is not None and not 2 <= block <= (self.drafter.info.max_block_size or self.drafter.info.trained_block_size or block):
+            raise ValueError(f"block_size {block} is outside 2..{self.drafter.info.trained_block_size}")
+        return sampling, generation, block
+
+    def _stop_ids(self, generation: GenerationConfig) -> set[int]:
+        ids = set(generation.stop_token_ids)
+        if not generation.ignore_eos:
+            ids.update(self.target.info.eos_token_ids)
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+        return ids
+
+    def _stream(self, prompt_ids, sampling_cfg, generation, block) -> Iterator[Chunk]:
+        loop = _Loop(self, prompt_ids, sampling_cfg, generation, block)
+        decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
+        try:
+            for new_ids in loop.cycles():
+                text, hit = decoder.feed(new_ids)
+                if hit is not None:  # a stop string ended inside the text just produced
+                    loop.stop("stop_string")
+                    kept = decoder.token_count_for_stop()
+                    loop.truncate(kept)
+                    trimmed = new_ids[: max(0, len(new_ids) - (decoder.total_tokens - kept))]
+                    yield Chunk(text, trimmed)
+                    break
+                if text or new_ids:
+                    yield Chunk(text, list(new_ids))
+            tail = decoder.flush()
+            if tail:
+                yield Chunk(tail, [])
+        finally:
+            loop.finish()
+            self.last_stats = loop.stats
+            self.last_token_ids = loop.produced
+
+
+class _Loop:
+    """One generation: prefill, then draft / verify / commit cycles."""
+
+    def __init__(self, engine: Engine, prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int):
+        self.e = engine
+        self.prompt_ids = prompt_ids
+        self.sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k)
+        seeds = np.random.SeedSequence(sampling_cfg.seed).spawn(2)
+        self.verify_rng = np.random.default_rng(seeds[0])
+        self.draft_rng = np.random.default_rng(seeds[1])
+        self.max_new = generation.max_new_tokens
+        self.stop_ids = engine._stop_ids(generation)
+        self.block = block
+        self.produced: list[int] = []
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self._stop_reason: str | None = None
+        self._t0 = time.perf_counter()
+        self._t_first: float | None = None
+        self._finished = False
+        window = engine.target.info.max_position_embeddings
+        self.window = window
+        if window is not None and len(prompt_ids) >= window:
+            raise ContextTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens but the target's context window is {window}; shorten the prompt"
+            )
+
+    def stop(self, reason: str) -> None:
+        self._stop_reason = reason
+
+    def truncate(self, n: int) -> None:
+        del self.produced[n:]
+
+    def cycles(self) -> Iterator[list[int]]:
+        e = self.e
+        capture = e.drafter.info.capture if e.drafter is not None else Capture()
+        e.backend.reset_peak_memory()
+        e.target.reset()
+        e.verifier.begin(len(self.prompt_ids))
+        try:
+            out = self._timed_target(lambda: e.target.prefill(self.prompt_ids, capture))
+            first = self._verify(None, out.logits[-1:]).token_ids
+            self._t_first = time.perf_counter()
+            if e.drafter is not None:
+                self._timed_draft(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]))
+            new = self._emit(first)
+            yield new
+            position = len(self.prompt_ids)
+            while self._stop_reason is None:
+                new = self._cycle(position, new[-1] if new else self.produced[-1], capture)
+                position += len(new)
+                yield new
+        except KeyboardInterrupt:
+            self._stop_reason = "interrupted"
+        except GenerationError as exc:
+            self._stop_reason = "error"
+            exc.token_ids = list(self.produced)
+            raise
+
+    def _cycle(self, position: int, anchor: int, capture: Capture) -> list[int]:
+        e = self.e
+        remaining = self.max_new - len(self.produced)
+        k = min(self.block - 1, remaining - 1)
+        if self.window is not None:
+            k = min(k, self.window - position - 1)
+        draft: Draft | None = None
+        if e.drafter is not None and k > 0:
+            request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
+            draft = self._timed_draft(lambda: e.drafter.propose(request))
+        n = e.verifier.plan(draft, k, position) if draft is not None else 0
+        if draft is not None and n < draft.num_tokens:
+            draft = draft.truncated(n, e.backend.ops) if n > 0 else None
+        anchor_arr = e.backend.int_array([anchor])
+        block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
+        out = self._timed_target(lambda: e.target.forward(block, capture))
+        verification = self._verify(draft, out.logits)
+        accepted = verification.accepted
+        e.target.crop(position + accepted + 1)
+        if e.drafter is not None:
+            self._timed_draft(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids))
+        e.verifier.observe(verification, n)
+        new = self._emit(verification.token_ids)
+        self.stats.record_cycle(n, accepted, len(new))
+        return new
+
+    def _verify(self, draft, logits):
+        return self.e.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)
+
+    def _emit(self, token_ids: list[int]) -> list[int]:
+        """Commit tokens, cutting at a stop token (kept) and at max_new_tokens / the window."""
+        new: list[int] = []
+        for t in token_ids:
+            new.append(t)
+            self.produced.append(t)
+            if t in self.stop_ids:
+                self._stop_reason = "eos"
+                break
+            if len(self.produced) >= self.max_new:
+                self._stop_reason = "max_new_tokens"
+                break
+            if self.window is not None and len(self.prompt_ids) + len(self.produced) >= self.window:
+                self._stop_reason = "context_length"
+                break
+        return new
+
+    def _timed_target(self, fn):
+        t = time.perf_counter()
+        result = fn()
+        self.e.backend.synchronize()
+        self.stats.target_s += time.perf_counter() - t if self._t_first is not None else 0.0
+        return result
+
+    def _timed_draft(self, fn):
+        t = time.perf_counter()
+        result = fn()
+        self.e.backend.synchronize()
+        if self._t_first is not None:
+            self.stats.draft_s += time.perf_counter() - t
+        return result
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        end = time.perf_counter()
+        s = self.stats
+        s.total_s = end - self._t0
+        if self._t_first is not None:
+            s.ttft_s = s.prefill_s = self._t_first - self._t0
+            s.decode_s = end - self._t_first
+        s.new_tokens = len(self.produced)
+        s.stop_reason = self._stop_reason or "interrupted"
+        s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
+        s.verifier = self.e.verifier.decisions()
+
+
+def _make_verifier(config: EngineConfig, registry) -> Verifier:
+    kind = config.verifier.kind
+    if kind == "auto":
+        kind = "speculative_sampling"  # exact greedy rule at temperature 0, sampling rule otherwise
+    return registry.verifiers[kind](config.verifier.options)

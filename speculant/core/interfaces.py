@@ -1,0 +1,184 @@
+"""The four roles the engine composes: Backend, TargetModel, Drafter, Verifier.
+
+Plugins implement these. Nothing here imports an array library: arrays are opaque values
+handled through the backend's :class:`~speculant.core.arrays.ArrayOps`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+from speculant.core.arrays import ArrayOps
+from speculant.core.types import (
+    Array,
+    Capture,
+    Draft,
+    DrafterInfo,
+    DraftRequest,
+    ForwardOutput,
+    ProposalKind,
+    SamplingParams,
+    TargetInfo,
+    Verification,
+)
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
+    from speculant.core.validator import Problem
+
+
+class TargetModel(ABC):
+    """A loaded target LM with a KV cache for one sequence (batch size 1)."""
+
+    info: TargetInfo
+    tokenizer: Any  # a Hugging Face tokenizer (or compatible: encode/decode/apply_chat_template)
+
+    @property
+    @abstractmethod
+    def cache_length(self) -> int:
+        """Number of positions currently held in the KV cache."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop the KV cache so a new sequence can start."""
+
+    @abstractmethod
+    def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
+        """Run the prompt; logits of the last row only, captured states for every row."""
+
+    @abstractmethod
+    def forward(self, token_ids: Array, capture: Capture = Capture()) -> ForwardOutput:
+        """Run ``token_ids`` (1-D backend ints) after the cache; logits for every row."""
+
+    @abstractmethod
+    def crop(self, length: int) -> None:
+        """Roll the KV cache back to its first ``length`` positions."""
+
+    @abstractmethod
+    def embed(self, token_ids: Array) -> Array:
+        """The target's input embedding rows for ``token_ids`` ([n] -> [n, H])."""
+
+    @abstractmethod
+    def lm_head(self, hidden: Array) -> Array:
+        """The target's output head ([n, H] -> [n, V] logits)."""
+
+
+class Backend(ABC):
+    """An array runtime: loads targets, provides ArrayOps, reports memory."""
+
+    name: ClassVar[str]
+    ops: ArrayOps
+
+    def __init__(self, config: "BackendConfig") -> None:
+        self.config = config
+
+    @classmethod
+    def availability_problem(cls) -> str | None:
+        """Why this backend cannot run here (missing package, device), or None."""
+        return None
+
+    @classmethod
+    def supported_dtypes(cls) -> tuple[str, ...]:
+        return ("auto", "float32", "bfloat16", "float16")
+
+    @property
+    @abstractmethod
+    def device(self) -> str:
+        """The resolved device, e.g. ``cuda:0``, ``mps``, ``cpu``, ``gpu``."""
+
+    @abstractmethod
+    def load_target(self, path: str, info: TargetInfo) -> TargetModel:
+        """Load a target model folder (config.json + safetensors) from a local path."""
+
+    def int_array(self, values: Sequence[int]) -> Array:
+        return self.ops.asarray(list(values), dtype="int64")
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (timing only)."""
+
+    def peak_memory_bytes(self) -> int | None:
+        """Peak device (or process) memory since the last reset, if measurable."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+
+class Drafter(ABC):
+    """Proposes tokens for the target to verify. One instance serves one sequence at a time."""
+
+    info: DrafterInfo
+
+    @abstractmethod
+    def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
+        """Start a sequence from the target's prefill output and the first generated token."""
+
+    @abstractmethod
+    def propose(self, request: DraftRequest) -> Draft:
+        """Propose ``request.num_tokens`` tokens following ``request.anchor_id``."""
+
+    @abstractmethod
+    def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
+        """Take in a verification: the first ``num_rows`` rows of ``output`` (anchor +
+        accepted drafts) are now committed, and ``token_ids`` are the tokens that were
+        emitted this cycle (accepted drafts + bonus)."""
+
+
+class DrafterFactory(ABC):
+    """What a drafter plugin registers: reads a checkpoint's needs, then builds the drafter."""
+
+    name: ClassVar[str]
+    backends: ClassVar[tuple[str, ...]]
+    options_model: ClassVar[type["BaseModel"] | None] = None
+
+    @abstractmethod
+    def describe(self, config: "DrafterConfig", target: TargetInfo) -> tuple[DrafterInfo | None, list["Problem"]]:
+        """Read the drafter checkpoint's config (no weights); return its needs and problems."""
+
+    @abstractmethod
+    def load(self, config: "DrafterConfig", info: DrafterInfo, backend: Backend, target: TargetModel) -> Drafter:
+        """Load the weights on ``backend`` and bind to ``target``."""
+
+
+class Verifier(ABC):
+    """Decides how many drafted tokens to keep and emits the correction/bonus token."""
+
+    name: ClassVar[str]
+    accepts: ClassVar[tuple[ProposalKind, ...]] = (ProposalKind.ONE_HOT,)
+    supports_sampling: ClassVar[bool] = False
+    options_model: ClassVar[type["BaseModel"] | None] = None
+
+    def __init__(self, options: dict | None = None) -> None:
+        self.options = options or {}
+
+    def begin(self, context_length: int) -> None:
+        """A new sequence starts (policies reset per-request state here)."""
+
+    def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
+        """How many drafted tokens to submit this cycle (0 = plain target step).
+
+        Called after drafting and **before** the target forward, so it may read only
+        draft-side information and past statistics.
+        """
+        return 0 if draft is None else min(draft.num_tokens, max_tokens)
+
+    @abstractmethod
+    def verify(
+        self,
+        ops: ArrayOps,
+        draft: Draft | None,
+        target_logits: Array,
+        sampling: SamplingParams,
+        rng: Any,
+    ) -> Verification:
+        """Verify ``draft`` (k tokens, or None) against ``target_logits`` [k+1, V]."""
+
+    def observe(self, verification: Verification, submitted: int) -> None:
+        """Learn from a finished cycle (for adaptive policies)."""
+
+    def decisions(self) -> dict:
+        """Per-generation record of what this verifier decided (for stats)."""
+        return {}

@@ -1,0 +1,94 @@
+"""Per-generation statistics."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+# The public field set; ``--json`` prints exactly these.
+PUBLIC_FIELDS = (
+    "ttft_s",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "total_s",
+    "new_tokens",
+    "acceptance_lengths",
+    "mean_acceptance_length",
+    "per_position_acceptance",
+    "verify_steps",
+    "peak_memory_bytes",
+    "stop_reason",
+)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    new_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    verify_steps: int = 0
+    peak_memory_bytes: int | None = None
+    stop_reason: str = "unknown"  # eos | stop_token | stop_string | max_new_tokens | context_length | interrupted | error
+    submitted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    # Time inside target forwards and drafter calls, for the overhead benchmark.
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    verifier: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding (TTFT excluded)."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Rate at which the draft token at block position j+1 was accepted when submitted."""
+        return [acc / sub if sub else 0.0 for acc, sub in zip(self.accepted_per_position, self.submitted_per_position)]
+
+    def record_cycle(self, submitted: int, accepted: int, emitted: int) -> None:
+        self.verify_steps += 1
+        self.acceptance_lengths.append(emitted)
+        while len(self.submitted_per_position) < submitted:
+            self.submitted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for j in range(submitted):
+            self.submitted_per_position[j] += 1
+            if j < accepted:
+                self.accepted_per_position[j] += 1
+
+    @property
+    def overhead_s(self) -> float:
+        """Decode time spent outside target and draft forwards."""
+        return max(0.0, self.decode_s - self.target_s - self.draft_s)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in PUBLIC_FIELDS}
+
+    def full_dict(self) -> dict:
+        data = asdict(self)
+        data.update(self.as_dict())
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+    def __str__(self) -> str:
+        tau = f", mean acceptance length {self.mean_acceptance_length:.2f}" if self.acceptance_lengths else ""
+        return (
+            f"{self.new_tokens} tokens, TTFT {self.ttft_s * 1000:.0f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
+            f"decode {self.decode_tokens_per_s:.1f} tok/s{tau}, {self.verify_steps} verify steps, stop: {self.stop_reason}"
+        )

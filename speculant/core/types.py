@@ -1,0 +1,168 @@
+"""Small value types that flow between the engine, targets, drafters and verifiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+Array = Any  # a backend array (torch.Tensor, mlx.core.array, numpy.ndarray)
+
+
+class ProposalKind(str, Enum):
+    """How a drafter proposes tokens, which decides what a verifier must handle."""
+
+    ONE_HOT = "one_hot"  # deterministic (argmax) proposals; q is a point mass
+    DENSE = "dense"  # sampled from a full-vocabulary distribution q [k, V]
+    SPARSE = "sparse"  # sampled from q [k, C] over candidate ids [k, C]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The target's sampling settings; temperature 0 means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Draft:
+    """Tokens proposed for one cycle.
+
+    ``token_ids`` is a 1-D backend integer array of length k. ``draft_probs`` is None for
+    one-hot proposals, a [k, V] array for dense ones, or a [k, C] array over
+    ``candidate_ids`` [k, C] for sparse ones. ``confidence`` (host floats, one per row)
+    is draft-side information an adaptive policy may read.
+    """
+
+    token_ids: Array
+    num_tokens: int
+    draft_probs: Array | None = None
+    candidate_ids: Array | None = None
+    confidence: list[float] | None = None
+
+    @property
+    def kind(self) -> ProposalKind:
+        if self.draft_probs is None:
+            return ProposalKind.ONE_HOT
+        return ProposalKind.DENSE if self.candidate_ids is None else ProposalKind.SPARSE
+
+    def truncated(self, k: int, ops) -> "Draft":
+        """The first ``k`` rows of this draft (used when a policy verifies fewer)."""
+        if k >= self.num_tokens:
+            return self
+        return Draft(
+            token_ids=self.token_ids[:k],
+            num_tokens=k,
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:k],
+            candidate_ids=None if self.candidate_ids is None else self.candidate_ids[:k],
+            confidence=None if self.confidence is None else self.confidence[:k],
+        )
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Result of verifying a draft: ``accepted`` drafts plus one correction/bonus token."""
+
+    accepted: int
+    token_ids: list[int]  # accepted drafts followed by the correction/bonus token
+
+    @property
+    def bonus_token_id(self) -> int:
+        return self.token_ids[-1]
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Which target hidden states a forward must return besides logits.
+
+    ``layer_ids``: decoder layers whose residual output (layer id L = output of
+    ``layers[L]``) is concatenated on the feature axis, in this order.
+    ``final_hidden``: also return the last decoder hidden state, after
+    (``"post_norm"``) or before (``"pre_norm"``) the final norm.
+    """
+
+    layer_ids: tuple[int, ...] = ()
+    final_hidden: str | None = None  # None | "post_norm" | "pre_norm"
+
+    def __bool__(self) -> bool:
+        return bool(self.layer_ids) or self.final_hidden is not None
+
+
+@dataclass
+class ForwardOutput:
+    """What a target forward returns: logits for the requested rows and captured states.
+
+    ``logits`` [n, V]; ``features`` [n, len(layer_ids) * H] or None; ``final_hidden`` [n, H]
+    or None. Rows are the forward's input positions in order (for a prefill, logits may be
+    only the last row; features always cover every row).
+    """
+
+    logits: Array
+    features: Array | None = None
+    final_hidden: Array | None = None
+
+
+@dataclass
+class DraftRequest:
+    """What the engine asks of a drafter for one cycle."""
+
+    anchor_id: int  # last committed token (block row 0), not yet in the target cache
+    position: int  # absolute position of the anchor
+    num_tokens: int  # k proposals wanted (verify width - 1)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rng: Any = None  # numpy.random.Generator for sampled drafting (independent of verification)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Target facts read from its config.json, before any weights load."""
+
+    path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    quantization: dict | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What a drafter needs, read from its checkpoint config before any weights load."""
+
+    kind: str
+    target_layer_ids: tuple[int, ...] = ()
+    final_hidden: str | None = None  # needs the target's final hidden ("pre_norm"/"post_norm")
+    uses_target_embedding: bool = True
+    uses_target_lm_head: bool = True
+    trained_block_size: int | None = None
+    max_block_size: int | None = None  # hard upper bound on the runtime block, if any
+    backends: tuple[str, ...] = ()
+    proposal_kinds: tuple[ProposalKind, ...] = (ProposalKind.ONE_HOT,)
+    can_sample: bool = False
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    mask_token_id: int | None = None
+    num_target_layers: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def capture(self) -> Capture:
+        return Capture(tuple(self.target_layer_ids), self.final_hidden)
+
+
+@dataclass
+class Chunk:
+    """One piece of streamed output."""
+
+    text: str
+    token_ids: list[int]

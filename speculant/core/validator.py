@@ -1,0 +1,247 @@
+"""Compatibility checks for a model pairing, run from config files before any weights load.
+
+Every check appends a :class:`Problem` naming the field and the fix; the report holds all of
+them at once. Plugins add their own checks through the ``check_pairing`` hook.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, parse_quantization
+from speculant.core.errors import ConfigError
+from speculant.core.types import DrafterInfo, TargetInfo
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+    fix: str = ""
+    severity: str = "error"  # error | warning
+
+    def __str__(self) -> str:
+        text = f"{self.field}: {self.message}"
+        return f"{text} (fix: {self.fix})" if self.fix else text
+
+
+@dataclass
+class Report:
+    problems: list[Problem] = field(default_factory=list)
+    target: TargetInfo | None = None
+    drafter: DrafterInfo | None = None
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def text_config(raw: dict) -> dict:
+    """VLM-style configs keep the language model's keys under ``text_config``."""
+    inner = raw.get("text_config")
+    return {**raw, **inner} if isinstance(inner, dict) else raw
+
+
+def read_target_info(path: Path) -> TargetInfo:
+    """Target facts from ``config.json`` (and ``generation_config.json`` for EOS ids)."""
+    path = Path(path)
+    raw = read_json(path / "config.json")
+    cfg = text_config(raw)
+    eos: list[int] = []
+    for source in (cfg, _maybe_json(path / "generation_config.json")):
+        value = source.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in eos:
+                eos.append(v)
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConfigError(f"{path / 'config.json'}: missing or non-integer {', '.join(missing)}; is this a causal LM folder?")
+    return TargetInfo(
+        path=str(path),
+        model_type=str(cfg.get("model_type", "unknown")),
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        eos_token_ids=tuple(eos),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        quantization=raw.get("quantization") or raw.get("quantization_config"),
+        raw=raw,
+    )
+
+
+def _maybe_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> Report:
+    """Check the whole pairing without loading weights; never raises for a bad pairing."""
+    if registry is None:
+        from importlib import import_module
+
+        registry = import_module("speculant.plugins.manager").get_registry()
+    config = EngineConfig.load(config)
+    report = Report()
+    add = report.problems.append
+
+    backend_cls = registry.backends.get(config.backend.kind)
+    if backend_cls is None:
+        add(Problem("backend.kind", registry.missing_hint("backends", config.backend.kind), "use one of the registered backends"))
+    else:
+        reason = backend_cls.availability_problem()
+        if reason:
+            add(Problem("backend.kind", reason, f"pip install 'speculant[{config.backend.kind}]'"))
+        if config.backend.dtype not in backend_cls.supported_dtypes():
+            add(Problem("backend.dtype", f"{config.backend.dtype!r} is not supported by the {config.backend.kind} backend",
+                        f"use one of {', '.join(backend_cls.supported_dtypes())}"))
+
+    target = _check_target(config, add)
+    report.target = target
+    _check_sampling(config, add)
+
+    drafter_info = None
+    if config.drafter.enabled:
+        drafter_info = _check_drafter(config, target, registry, add)
+    report.drafter = drafter_info
+    _check_verifier(config, drafter_info, registry, add)
+    if target is not None:
+        report.problems.extend(registry.check_pairing(config, target, drafter_info))
+    return report
+
+
+def _check_target(config: EngineConfig, add) -> TargetInfo | None:
+    path = config.target.path
+    if not path.is_dir():
+        add(Problem("target.path", f"{path} is not a directory", "point target.path at a local model folder holding config.json and *.safetensors"))
+        return None
+    if not (path / "config.json").is_file():
+        add(Problem("target.path", f"{path} has no config.json", "point target.path at a Hugging Face / mlx-lm model folder"))
+        return None
+    if not any(path.glob("*.safetensors")):
+        add(Problem("target.path", f"{path} holds no *.safetensors weights (pickled .bin files are never loaded)",
+                    "convert the weights to safetensors"))
+    try:
+        return read_target_info(path)
+    except ConfigError as exc:
+        add(Problem("target.path", str(exc), "fix the target's config.json"))
+        return None
+
+
+def _check_sampling(config: EngineConfig, add) -> None:
+    s = config.sampling
+    if not s.temperature >= 0:
+        add(Problem("sampling.temperature", f"{s.temperature} is negative or NaN", "use 0 for greedy decoding or a positive value"))
+    if not 0 < s.top_p <= 1:
+        add(Problem("sampling.top_p", f"{s.top_p} is outside (0, 1]", "use a value in (0, 1]; 1 disables nucleus sampling"))
+    if s.top_k < 0:
+        add(Problem("sampling.top_k", f"{s.top_k} is negative", "use 0 to disable top-k or a positive count"))
+
+
+def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, add) -> DrafterInfo | None:
+    d = config.drafter
+    factory = registry.drafters.get(d.kind)
+    if factory is None:
+        add(Problem("drafter.kind", registry.missing_hint("drafters", d.kind), "install the plugin that provides it, or fix the name"))
+        return None
+    if config.backend.kind not in factory.backends:
+        add(Problem("drafter.kind", f"the {d.kind} drafter does not support the {config.backend.kind} backend",
+                    f"use backend.kind one of {', '.join(factory.backends)}"))
+    if factory.options_model is not None:
+        try:
+            factory.options_model.model_validate(d.options)
+        except Exception as exc:
+            add(Problem("drafter.options", f"invalid options for {d.kind}: {exc}", "see the drafter's documentation"))
+    _check_quantization(config, add)
+    if target is None:
+        return None
+    info, problems = factory.describe(d, target)
+    for p in problems:
+        add(p)
+    if info is None:
+        return None
+    if info.vocab_size is not None and info.vocab_size != target.vocab_size:
+        add(Problem("drafter.path", f"draft vocab_size {info.vocab_size} != target vocab_size {target.vocab_size}",
+                    "use a draft trained for this target (same tokenizer and vocabulary)"))
+    if info.hidden_size is not None and info.hidden_size != target.hidden_size:
+        add(Problem("drafter.path", f"draft hidden_size {info.hidden_size} != target hidden_size {target.hidden_size}",
+                    "use a draft trained for this target"))
+    if info.num_target_layers is not None and info.num_target_layers != target.num_hidden_layers:
+        add(Problem("drafter.path", f"draft num_target_layers {info.num_target_layers} != target num_hidden_layers {target.num_hidden_layers}",
+                    "use a draft trained for this target"))
+    for layer_id in info.target_layer_ids:
+        if not 0 <= layer_id < target.num_hidden_layers:
+            add(Problem("drafter.path", f"target_layer_ids entry {layer_id} does not exist in the target (layers 0..{target.num_hidden_layers - 1})",
+                        "use a draft trained for this target, or fix dflash_config.target_layer_ids"))
+    if info.mask_token_id is not None and not 0 <= info.mask_token_id < target.vocab_size:
+        add(Problem("drafter.path", f"mask_token_id {info.mask_token_id} is outside the target vocabulary (0..{target.vocab_size - 1})",
+                    "fix dflash_config.mask_token_id"))
+    block = d.block_size
+    limit = info.max_block_size or info.trained_block_size
+    if block is not None:
+        if block < 2:
+            add(Problem("drafter.block_size", f"{block} is below 2 (one anchor plus at least one proposal)", "use a block size of at least 2"))
+        elif limit is not None and block > limit:
+            add(Problem("drafter.block_size", f"{block} exceeds the draft's trained block size {limit}",
+                        f"use a value between 2 and {limit}"))
+    elif info.trained_block_size is None:
+        add(Problem("drafter.block_size", "the draft checkpoint does not say its block size", "set drafter.block_size"))
+    return info
+
+
+def _check_quantization(config: EngineConfig, add) -> None:
+    try:
+        q = parse_quantization(config.drafter.quantization)
+    except ConfigError as exc:
+        add(Problem("drafter.quantization", str(exc), "use e.g. 'w4a16:gs64'"))
+        return
+    if q is None or q.weight_bits is None:
+        return
+    for name, allowed in QUANTIZATION_CHOICES.items():
+        value = getattr(q, name)
+        if value not in allowed:
+            add(Problem(f"drafter.quantization.{name}", f"{value} is not supported",
+                        f"use one of {', '.join(map(str, allowed))}"))
+
+
+def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, registry, add) -> None:
+    kind = config.verifier.kind
+    if kind == "auto":
+        return
+    cls = registry.verifiers.get(kind)
+    if cls is None:
+        add(Problem("verifier.kind", registry.missing_hint("verifiers", kind), "use auto, greedy or speculative_sampling"))
+        return
+    if config.sampling.temperature > 0 and not cls.supports_sampling:
+        add(Problem("verifier.kind", f"the {kind} verifier only supports greedy decoding but sampling.temperature is {config.sampling.temperature}",
+                    "set verifier.kind = 'speculative_sampling' (or 'auto'), or sampling.temperature = 0"))
+    if drafter is not None:
+        wanted = [k for k in drafter.proposal_kinds if k not in cls.accepts]
+        if wanted and config.sampling.temperature > 0:
+            add(Problem("verifier.kind", f"the {kind} verifier does not accept {', '.join(k.value for k in wanted)} proposals from the {drafter.kind} drafter",
+                        "use verifier.kind = 'speculative_sampling'"))
+    if cls.options_model is not None:
+        try:
+            cls.options_model.model_validate(config.verifier.options)
+        except Exception as exc:
+            add(Problem("verifier.options", f"invalid options for {kind}: {exc}", "see the verifier's documentation"))
