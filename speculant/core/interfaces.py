@@ -135,8 +135,11 @@ class DrafterFactory(ABC):
     options_model: ClassVar[type["BaseModel"] | None] = None
 
     @abstractmethod
-    def describe(self, config: "DrafterConfig", target: TargetInfo) -> tuple[DrafterInfo | None, list["Problem"]]:
-        """Read the drafter checkpoint's config (no weights); return its needs and problems."""
+    def describe(
+        self, config: "DrafterConfig", target: TargetInfo, backend: str
+    ) -> tuple[DrafterInfo | None, list["Problem"]]:
+        """Read the drafter checkpoint's config and tensor headers (no weights) for ``backend``;
+        return its needs and every problem found."""
 
     @abstractmethod
     def load(self, config: "DrafterConfig", info: DrafterInfo, backend: Backend, target: TargetModel) -> Drafter:

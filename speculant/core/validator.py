@@ -175,7 +175,7 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
     _check_quantization(config, add)
     if target is None:
         return None
-    info, problems = factory.describe(d, target)
+    info, problems = factory.describe(d, target, config.backend.kind)
     for p in problems:
         add(p)
     if info is None:

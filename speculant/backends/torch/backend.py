@@ -1,0 +1,105 @@
+"""PyTorch backend: device/dtype selection, memory stats, target loading."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from speculant.core.interfaces import Backend
+from speculant.core.types import TargetInfo
+
+_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        import torch
+
+        from speculant.backends.torch.ops import TorchOps
+
+        self._device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self._device)
+        self.ops = TorchOps(self._device)
+        self._torch = torch
+
+    @classmethod
+    def availability_problem(cls) -> str | None:
+        for module in ("torch", "transformers"):
+            if importlib.util.find_spec(module) is None:
+                return f"the torch backend needs the {module} package, which is not installed"
+        return None
+
+    @classmethod
+    def supported_dtypes(cls) -> tuple[str, ...]:
+        return _DTYPE_NAMES
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    def load_target(self, path: str, info: TargetInfo):
+        from speculant.backends.torch.target import TorchTarget
+
+        return TorchTarget.load(path, info, self)
+
+    def int_array(self, values):
+        return self._torch.tensor(list(values), dtype=self._torch.long, device=self._device)
+
+    def synchronize(self) -> None:
+        if self._device.type == "cuda":
+            self._torch.cuda.synchronize(self._device)
+        elif self._device.type == "mps":
+            self._torch.mps.synchronize()
+
+    def peak_memory_bytes(self) -> int | None:
+        if self._device.type == "cuda":
+            return int(self._torch.cuda.max_memory_allocated(self._device))
+        if self._device.type == "mps":
+            return int(self._torch.mps.driver_allocated_memory())
+        return _process_peak_rss()
+
+    def reset_peak_memory(self) -> None:
+        if self._device.type == "cuda":
+            self._torch.cuda.reset_peak_memory_stats(self._device)
+
+
+def resolve_device(name: str):
+    """``auto`` picks CUDA, then MPS, then CPU; anything else is passed to torch.device."""
+    import torch
+
+    if name in ("auto", "", None):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"backend.device is {name!r} but CUDA is not available here; use 'auto' or 'cpu'")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError(f"backend.device is {name!r} but MPS is not available here; use 'auto' or 'cpu'")
+    return device
+
+
+def resolve_dtype(name: str, device):
+    """``auto``: bfloat16 on CUDA (if supported), float16 on MPS, float32 on CPU."""
+    import torch
+
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _process_peak_rss() -> int | None:
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except Exception:  # pragma: no cover - non-POSIX
+        return None

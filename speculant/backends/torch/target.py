@@ -1,0 +1,136 @@
+"""A transformers causal LM as a speculant TargetModel, with hidden-state capture and cache crop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from speculant.core.interfaces import TargetModel
+from speculant.core.types import Capture, ForwardOutput, TargetInfo
+
+
+def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+    """(inner model, decoder layers, final norm) for Llama/Qwen-style causal LMs."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(inner, "layers", None)
+    norm = getattr(inner, "norm", None)
+    if layers is None or norm is None:
+        raise TypeError(f"{type(model).__name__} does not expose decoder layers and a final norm; unsupported family")
+    return inner, layers, norm
+
+
+class _Recorder:
+    """Forward hooks that keep only the requested layers' outputs, only while recording."""
+
+    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module) -> None:
+        self.active: dict[int, torch.Tensor] | None = None
+        self.wanted: set = set()
+        for index, layer in enumerate(layers):
+            layer.register_forward_hook(self._hook(index))
+        norm.register_forward_hook(self._hook("post_norm"))
+        self.last_layer = len(layers) - 1
+
+    def _hook(self, key):
+        def store(module, args, output):
+            if self.active is not None and key in self.wanted:
+                self.active[key] = output[0] if isinstance(output, tuple) else output
+
+        return store
+
+    def start(self, capture: Capture) -> None:
+        self.wanted = set(capture.layer_ids)
+        if capture.final_hidden == "post_norm":
+            self.wanted.add("post_norm")
+        elif capture.final_hidden == "pre_norm":
+            self.wanted.add(self.last_layer)
+        self.active = {} if self.wanted else None
+
+    def finish(self, capture: Capture) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        got, self.active = self.active or {}, None
+        features = None
+        if capture.layer_ids:
+            features = torch.cat([got[i][0] for i in capture.layer_ids], dim=-1)
+        final = None
+        if capture.final_hidden is not None:
+            final = got["post_norm" if capture.final_hidden == "post_norm" else self.last_layer][0]
+        return features, final
+
+
+class TorchTarget(TargetModel):
+    def __init__(self, model, tokenizer, info: TargetInfo, backend) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.backend = backend
+        self._cache_cls = DynamicCache
+        self.cache = DynamicCache(config=model.config)
+        _, layers, norm = decoder_parts(model)
+        self._recorder = _Recorder(layers, norm)
+        self._embedding = model.get_input_embeddings()
+        self._head = model.get_output_embeddings()
+
+    @classmethod
+    def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=backend.dtype, use_safetensors=True, trust_remote_code=False
+        )
+        model.to(backend._device).eval()
+        model.requires_grad_(False)
+        return cls(model, load_tokenizer(path), info, backend)
+
+    @property
+    def cache_length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    def reset(self) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+
+    @torch.inference_mode()
+    def _run(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int) -> ForwardOutput:
+        self._recorder.start(capture)
+        try:
+            out = self.model(
+                input_ids=ids[None, :],
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            features, final = self._recorder.finish(capture)
+        return ForwardOutput(logits=out.logits[0], features=features, final_hidden=final)
+
+    def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
+        ids = self.backend.int_array(token_ids)
+        return self._run(ids, capture, logits_to_keep=1)
+
+    def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
+        return self._run(token_ids, capture, logits_to_keep=0)
+
+    def crop(self, length: int) -> None:
+        excess = self.cache_length - length
+        if excess > 0:
+            self.cache.crop(-excess)
+
+    @torch.inference_mode()
+    def embed(self, token_ids) -> torch.Tensor:
+        return self._embedding(token_ids)
+
+    @torch.inference_mode()
+    def lm_head(self, hidden) -> torch.Tensor:
+        return self._head(hidden)
+
+
+def load_tokenizer(path: str):
+    """The folder's tokenizer, or None when it ships none (prompt_ids still work)."""
+    folder = Path(path)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)

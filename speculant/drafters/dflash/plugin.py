@@ -1,0 +1,64 @@
+"""Registers the DFlash drafter through the public hooks."""
+
+from __future__ import annotations
+
+from speculant.core.interfaces import DrafterFactory
+from speculant.core.types import DrafterInfo, ProposalKind
+from speculant.core.validator import Problem
+from speculant.plugins.hookspecs import hookimpl
+
+
+class DFlashFactory(DrafterFactory):
+    name = "dflash"
+    backends = ("torch", "mlx")
+    architecture = "DFlashDraftModel"
+
+    def describe(self, config, target, backend):
+        from speculant.drafters.dflash.config import check_tensors, parse_config
+
+        if config.path is None:
+            return None, [Problem("drafter.path", "the dflash drafter needs a checkpoint folder", "set drafter.path")]
+        cfg, problems = parse_config(config.path, strict=backend == "mlx")
+        if cfg is None:
+            return None, problems
+        if cfg.architecture != self.architecture:
+            other = "dflash2" if cfg.is_dflash2 else "dflash"
+            return None, [Problem("drafter.kind", f"{config.path} is a {cfg.architecture} checkpoint",
+                                  f"set drafter.kind = '{other}'")]
+        problems = check_tensors(config.path, cfg, self.expected_tensors(cfg))
+        return self.info(cfg), problems
+
+    def expected_tensors(self, cfg):
+        from speculant.drafters.dflash.config import expected_tensors
+
+        return expected_tensors(cfg)
+
+    def info(self, cfg) -> DrafterInfo:
+        return DrafterInfo(
+            kind=self.name,
+            target_layer_ids=tuple(cfg.target_layer_ids),
+            trained_block_size=cfg.block_size,
+            backends=self.backends,
+            proposal_kinds=(ProposalKind.ONE_HOT,),
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            mask_token_id=cfg.mask_token_id,
+            num_target_layers=cfg.num_target_layers,
+            extra={"config": cfg},
+        )
+
+    def load(self, config, info, backend, target):
+        if backend.name == "torch":
+            from speculant.drafters.dflash.torch_loader import load_torch_drafter
+
+            return load_torch_drafter(config, info, backend, target)
+        if backend.name == "mlx":
+            from speculant.drafters.dflash.mlx import load_mlx_drafter
+
+            return load_mlx_drafter(config, info, backend, target)
+        raise ValueError(f"the dflash drafter does not support the {backend.name} backend")
+
+
+@hookimpl
+def register_drafters(register):
+    register(DFlashFactory())

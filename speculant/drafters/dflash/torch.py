@@ -1,0 +1,248 @@
+"""DFlash draft model on PyTorch: config -> modules -> forward, then the Drafter around it.
+
+The draft reads the target's hidden states of ``target_layer_ids``, projects them once
+(``fc`` + ``hidden_norm``) into a context injected as extra keys/values into every layer,
+and denoises a block ``[anchor, mask x (B-1)]`` in one non-causal pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculant.core.interfaces import Drafter
+from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput
+from speculant.drafters.dflash.config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables computed with transformers' own init functions, so any rope_type matches the target."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                         max_position_embeddings=cfg.max_position_embeddings or 32768, rope_parameters=dict(cfg.rope))
+        rope_type = cfg.rope.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(cfg.rope["rope_theta"])
+            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+            scale = 1.0
+        else:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = scale
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to ``x`` [heads, n, hd] with tables [n, hd] (NeoX half rotation)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(H, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(H, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, H, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [kv_heads, n, hd] for rows ``x`` [n, H]."""
+        n = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        return rotate(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)).transpose(0, 1)
+        q = rotate(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k = torch.cat([ctx_k, k], dim=1)
+        v = torch.cat([ctx_v, v], dim=1)
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=0)
+            v = v.repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.causal = cfg.layer_is_causal(index)
+        self.window = cfg.layer_window(index)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashModel(nn.Module):
+    """The draft network; tensor names match the published checkpoints."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features))
+
+
+def attention_mask(ctx_positions: torch.Tensor, block_positions: torch.Tensor, causal: bool, window: int | None):
+    """Boolean keep-mask [q, ctx + q] or None when every key is visible."""
+    if not causal and window is None:
+        return None
+    keys = torch.cat([ctx_positions, block_positions])
+    rel = block_positions[:, None] - keys[None, :]  # query - key
+    keep = torch.ones_like(rel, dtype=torch.bool)
+    if causal:
+        keep &= rel >= 0
+    if window is not None:
+        keep &= rel < window
+        if not causal:
+            keep &= rel > -window
+    return keep
+
+
+class ContextCache:
+    """Per-layer keys/values of committed context rows (block rows are never stored)."""
+
+    def __init__(self, num_layers: int, windows: list[int | None]) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: list[torch.Tensor | None] = [None] * num_layers
+        self.windows = windows
+
+    def append(self, layer: int, k, v, positions) -> None:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=1)
+            v = torch.cat([self.values[layer], v], dim=1)
+            positions = torch.cat([self.positions[layer], positions])
+        window = self.windows[layer]
+        if window is not None and k.shape[1] > window - 1:  # a sliding layer never needs more
+            k, v, positions = k[:, -(window - 1):], v[:, -(window - 1):], positions[-(window - 1):]
+        self.keys[layer], self.values[layer], self.positions[layer] = k, v, positions
+
+
+class TorchDFlashDrafter(Drafter):
+    """Drafter protocol over :class:`DFlashModel`, borrowing the target's embedding and head."""
+
+    def __init__(self, model: DFlashModel, info: DrafterInfo, target, backend) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.info = info
+        self.target = target
+        self.backend = backend
+        self.cache: ContextCache | None = None
+        self.pending: list[torch.Tensor] = []
+        self.context_length = 0
+        self._mask_ids: dict[int, torch.Tensor] = {}
+
+    def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
+        self.cache = ContextCache(self.cfg.num_hidden_layers, [l.window for l in self.model.layers])
+        self.pending = [output.features]
+        self.context_length = 0
+
+    def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
+        self.pending.append(output.features[:num_rows])
+
+    @torch.inference_mode()
+    def _hidden(self, request: DraftRequest) -> torch.Tensor:
+        """Final-normed draft hidden states of block rows 1..k."""
+        m, cfg = self.model, self.cfg
+        k = request.num_tokens
+        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending = []
+        n_ctx = features.shape[0]
+        device = features.device
+        ctx_pos = torch.arange(self.context_length, self.context_length + n_ctx, device=device)
+        block_pos = torch.arange(request.position, request.position + k + 1, device=device)
+        dtype = next(m.parameters()).dtype
+        ctx = m.project_context(features.to(dtype))
+        ctx_cos, ctx_sin = m.rotary(ctx_pos, dtype)
+        cos, sin = m.rotary(block_pos, dtype)
+        ids = self._block_ids(request.anchor_id, k)
+        x = self.target.embed(ids).to(dtype)
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
+        for i, layer in enumerate(m.layers):
+            ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
+            self.cache.append(i, ck, cv, ctx_pos)
+            mask = attention_mask(self.cache.positions[i], block_pos, layer.causal, layer.window)
+            x = layer(x, cos, sin, self.cache.keys[i], self.cache.values[i], mask)
+        self.context_length += n_ctx
+        return m.norm(x[1:])
+
+    def _block_ids(self, anchor: int, k: int) -> torch.Tensor:
+        ids = self.backend.int_array([anchor] + [self.cfg.mask_token_id] * k)
+        return ids
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.target.lm_head(hidden).float()
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Draft:
+        logits = self.logits(self._hidden(request))
+        tokens = torch.argmax(logits, dim=-1)
+        return Draft(token_ids=tokens, num_tokens=request.num_tokens)

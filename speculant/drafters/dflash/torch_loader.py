@@ -1,0 +1,43 @@
+"""Load published DFlash safetensors into the torch draft model (never pickle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speculant.core.checkpoint import safetensors_files
+from speculant.core.errors import CheckpointError
+
+
+def read_state_dict(folder: str | Path) -> dict:
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in safetensors_files(folder):
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_into(model, folder: str | Path, rename: dict[str, str] | None = None) -> None:
+    """Strict load: every model tensor present with the right shape, nothing extra."""
+    state = read_state_dict(folder)
+    for old, new in (rename or {}).items():
+        if old in state:
+            state[new] = state.pop(old)
+    own = model.state_dict()
+    problems = [f"missing tensor {k}" for k in own if k not in state]
+    problems += [f"unexpected tensor {k}" for k in state if k not in own]
+    problems += [f"tensor {k} has shape {list(state[k].shape)}, expected {list(own[k].shape)}"
+                 for k in own if k in state and state[k].shape != own[k].shape]
+    if problems:
+        raise CheckpointError(f"{folder}: " + "; ".join(problems))
+    model.load_state_dict(state, strict=True)
+
+
+def load_torch_drafter(config, info, backend, target):
+    from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashDrafter
+
+    cfg = info.extra["config"]
+    model = DFlashModel(cfg)
+    load_into(model, config.path)
+    model.to(device=backend._device, dtype=backend.dtype).eval().requires_grad_(False)
+    return TorchDFlashDrafter(model, info, target, backend)

@@ -1,0 +1,1 @@
+"""Helpers for tests and plugin authors: tiny real checkpoints in the published formats."""

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny real checkpoints built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session")
+def torch_threads():
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(2)
+    return torch
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, torch_threads):
+    """A random Qwen3 target (no planted bias)."""
+    from speculant.testing.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target", seed=0)
+
+
+@pytest.fixture(scope="session")
+def planted_pair(tmp_path_factory, torch_threads):
+    """Target and DFlash draft (trained block 16) sharing a planted bias: partial acceptance."""
+    from speculant.testing.tiny import build_tiny_dflash, build_tiny_target
+
+    root = tmp_path_factory.mktemp("planted")
+    target = build_tiny_target(root / "target", seed=0, planted=6.0)
+    draft = build_tiny_dflash(root / "draft", target, seed=7, block_size=16)
+    sliding = build_tiny_dflash(root / "draft_swa", target, seed=7, block_size=16, sliding_window=8)
+    return {"target": target, "draft": draft, "draft_swa": sliding}
+
+
+@pytest.fixture(scope="session")
+def random_pair(tmp_path_factory, torch_threads):
+    """Target and an untrained DFlash draft: drafts are almost never accepted."""
+    from speculant.testing.tiny import build_tiny_pair
+
+    target, draft = build_tiny_pair(tmp_path_factory.mktemp("random"), seed=3, block_size=8)
+    return {"target": target, "draft": draft}
