@@ -17,7 +17,7 @@ from pathlib import Path
 def build(root: Path, hidden: int, layers: int) -> tuple[Path, Path]:
     from speculant.testing.tiny import build_tiny_dflash, build_tiny_target
 
-    target = build_tiny_target(root / "target", seed=0, hidden_size=hidden, num_layers=layers, planted=6.0,
+    target = build_tiny_target(root / "target", seed=0, hidden_size=hidden, num_layers=layers, planted=7.5,
                                max_position_embeddings=4096)
     draft = build_tiny_dflash(root / "draft", target, seed=7, num_layers=2, block_size=16)
     return target, draft

@@ -33,7 +33,7 @@ def planted_pair(tmp_path_factory, torch_threads):
     from speculant.testing.tiny import build_tiny_dflash, build_tiny_target
 
     root = tmp_path_factory.mktemp("planted")
-    target = build_tiny_target(root / "target", seed=0, planted=6.0)
+    target = build_tiny_target(root / "target", seed=0, planted=7.5)
     draft = build_tiny_dflash(root / "draft", target, seed=7, block_size=16)
     sliding = build_tiny_dflash(root / "draft_swa", target, seed=7, block_size=16, sliding_window=8)
     return {"target": target, "draft": draft, "draft_swa": sliding}
