@@ -1,0 +1,132 @@
+"""Engine behaviour: streaming, stop strings, interruption, bad logits, context limits, stats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import speculant
+from speculant.core.errors import ContextTooLongError, NonFiniteLogitsError
+from speculant.core.metrics import PUBLIC_FIELDS
+
+
+def make(target, draft=None, **extra):
+    config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}, **extra}
+    if draft is not None:
+        config["drafter"] = {"kind": "dflash", "path": str(draft)}
+    return speculant.Engine.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def spec(planted_pair):
+    return make(planted_pair["target"], planted_pair["draft"])
+
+
+@pytest.fixture(scope="module")
+def plain(planted_pair):
+    return make(planted_pair["target"])
+
+
+def test_streamed_text_and_ids_add_up(spec):
+    chunks = list(spec.generate("def add(a, b):", max_new_tokens=30, ignore_eos=True, block_size=8))
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == spec.last_token_ids and len(ids) == 30
+    assert "".join(c.text for c in chunks) == spec.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stats_fields(spec):
+    spec.run("for i in", max_new_tokens=20, ignore_eos=True)
+    stats = spec.last_stats
+    data = json.loads(stats.to_json())
+    assert tuple(data) == PUBLIC_FIELDS
+    assert data["new_tokens"] == 20 and data["stop_reason"] == "max_new_tokens"
+    assert data["ttft_s"] > 0 and data["decode_tokens_per_s"] > 0 and data["prefill_tokens_per_s"] > 0
+    assert data["total_s"] >= data["ttft_s"]
+    assert data["verify_steps"] == len(data["acceptance_lengths"])
+    assert len(data["per_position_acceptance"]) == 15  # trained block 16 is the runtime default
+    assert data["peak_memory_bytes"] is None or data["peak_memory_bytes"] > 0
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_stop_string_spanning_tokens(spec, plain, block_size):
+    reference = plain.run(prompt_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True)
+    text = reference.text
+    # a stop string made of the end of one token's text and the start of the next ones
+    pieces = [plain.tokenizer.decode([t]) for t in reference.token_ids]
+    start = sum(len(p) for p in pieces[:6]) - 1
+    stop = text[start:start + 4]
+    assert len(stop) == 4
+    cut = text.find(stop)
+    result = spec.run(prompt_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True, stop_strings=[stop], block_size=block_size)
+    assert result.text == text[:cut]
+    assert result.stats.stop_reason == "stop_string"
+    # the kept tokens are the fewest whose text contains the stop string
+    kept = result.token_ids
+    assert kept == reference.token_ids[:len(kept)]
+    assert stop in plain.tokenizer.decode(kept) and stop not in plain.tokenizer.decode(kept[:-1])
+
+
+def test_keyboard_interrupt_returns_what_was_produced(planted_pair):
+    engine = make(planted_pair["target"], planted_pair["draft"])
+    forward = engine.target.forward
+    calls = {"n": 0}
+
+    def interrupted_forward(*args, **kwargs):  # the real forward, interrupted on the 4th cycle
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    engine.target.forward = interrupted_forward
+    chunks = list(engine.generate(prompt_ids=[5, 6, 7], max_new_tokens=100, ignore_eos=True))
+    produced = [t for c in chunks for t in c.token_ids]
+    assert engine.last_stats.stop_reason == "interrupted"
+    assert produced == engine.last_token_ids and 1 <= len(produced) < 100
+    expected = make(planted_pair["target"]).run(prompt_ids=[5, 6, 7], max_new_tokens=len(produced), ignore_eos=True)
+    assert produced == expected.token_ids
+
+
+def test_nan_logits_raise_with_tokens_so_far(tmp_path, torch_threads):
+    from safetensors.torch import load_file, save_file
+
+    from speculant.testing.tiny import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "t", seed=0)
+    good = make(target).run(prompt_ids=[5, 6, 7], max_new_tokens=30, ignore_eos=True).token_ids
+    index = next(i for i in range(2, 30) if good[i] not in good[:i] and good[i] not in (5, 6, 7))
+    poisoned = good[index]
+    state = load_file(str(target / "model.safetensors"))
+    state["model.embed_tokens.weight"][poisoned] = float("nan")
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteLogitsError) as info:
+        make(target).run(prompt_ids=[5, 6, 7], max_new_tokens=30, ignore_eos=True)
+    assert info.value.token_ids == good[: index + 1]
+
+
+def test_prompt_longer_than_window_is_a_clear_error(plain):
+    window = plain.target.info.max_position_embeddings
+    with pytest.raises(ContextTooLongError, match="context window"):
+        plain.run(prompt_ids=[5] * window, max_new_tokens=4)
+
+
+def test_generation_stops_at_the_window(spec, plain):
+    window = spec.target.info.max_position_embeddings
+    prompt = [5, 6, 7] * ((window - 10) // 3)
+    result = spec.run(prompt_ids=prompt, max_new_tokens=50, ignore_eos=True)
+    assert result.stats.stop_reason == "context_length"
+    assert len(prompt) + len(result.token_ids) == window
+    assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=50, ignore_eos=True).token_ids
+
+
+def test_bad_prompt_ids(plain):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        plain.run(prompt_ids=[10**6], max_new_tokens=2)
+    with pytest.raises(ValueError, match="exactly one"):
+        plain.run("x", prompt_ids=[1], max_new_tokens=2)
+
+
+def test_plain_decoding_goes_through_the_same_loop(plain):
+    result = plain.run(prompt_ids=[5, 6, 7], max_new_tokens=12, ignore_eos=True)
+    assert result.stats.acceptance_lengths == [1] * 11
+    assert result.stats.mean_acceptance_length == 1.0
