@@ -1,0 +1,233 @@
+"""An mlx-lm model as a speculant TargetModel: hidden-state capture, KV cache, rollback.
+
+The model is loaded by mlx-lm's own loader (plain and already-quantized folders alike). To
+capture hidden states, each decoder layer of *this model instance* (and its final norm) is
+replaced in its layer list by a thin :class:`Tap` module that calls the original and keeps
+its output while a capture is active. No mlx-lm file or class is changed, every layer is
+tapped, and each forward says which layers it wants, so any number of drafters with different
+``target_layer_ids`` can share one target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from speculant.core.interfaces import TargetModel
+from speculant.core.types import Capture, ForwardOutput, TargetInfo
+
+PREFILL_STEP = 512  # prompt rows per prefill chunk (bounds activation memory)
+
+
+class Recorder:
+    """What the taps of one target keep during one forward."""
+
+    def __init__(self, last_layer: int) -> None:
+        self.last_layer = last_layer
+        self.wanted: frozenset = frozenset()
+        self.got: dict[Any, mx.array] = {}
+
+    def start(self, capture: Capture) -> None:
+        wanted = set(capture.layer_ids)
+        if capture.final_hidden == "post_norm":
+            wanted.add("post_norm")
+        elif capture.final_hidden == "pre_norm":
+            wanted.add(self.last_layer)
+        elif capture.final_hidden is not None:
+            raise ValueError(f"Capture.final_hidden must be None, 'pre_norm' or 'post_norm', not {capture.final_hidden!r}")
+        self.wanted = frozenset(wanted)
+        self.got = {}
+
+    def finish(self, capture: Capture) -> tuple[mx.array | None, mx.array | None]:
+        got, self.got, self.wanted = self.got, {}, frozenset()
+        features = None
+        if capture.layer_ids:
+            parts = [got[i][0] for i in capture.layer_ids]
+            features = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        final = None
+        if capture.final_hidden is not None:
+            final = got["post_norm" if capture.final_hidden == "post_norm" else self.last_layer][0]
+        return features, final
+
+
+class Tap(nn.Module):
+    """Calls ``module`` and hands its output to the recorder when ``key`` is wanted.
+
+    Attribute reads the wrapper does not have go to the wrapped module, so model code that
+    inspects its layers (``layer.use_sliding`` in mlx-lm's Llama) keeps working.
+    """
+
+    def __init__(self, module: nn.Module, key: Any, recorder: Recorder) -> None:
+        super().__init__()
+        self.module = module
+        self.tap_key = key
+        self.recorder = recorder
+
+    def __call__(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if self.tap_key in self.recorder.wanted:
+            self.recorder.got[self.tap_key] = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def __getattr__(self, key: str):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            wrapped = self.get("module")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, key)
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The module holding ``embed_tokens``, ``layers`` and ``norm`` (plain, nested or VLM-style)."""
+    candidates = [model, getattr(model, "model", None), getattr(model, "language_model", None)]
+    lm = getattr(model, "language_model", None)
+    if lm is not None:
+        candidates.append(getattr(lm, "model", None))
+    for inner in candidates:
+        if inner is not None and isinstance(getattr(inner, "layers", None), list) and hasattr(inner, "embed_tokens"):
+            if hasattr(inner, "norm"):
+                return inner
+    raise TypeError(f"{type(model).__module__}.{type(model).__name__} exposes no embed_tokens / layers / norm; "
+                    "this mlx-lm model family is not supported as a target")
+
+
+def install_taps(model: nn.Module) -> Recorder:
+    """Tap every decoder layer and the final norm of this model instance (once)."""
+    inner = text_model(model)
+    existing = getattr(inner, "_speculant_recorder", None)
+    if existing is not None:
+        return existing
+    recorder = Recorder(len(inner.layers) - 1)
+    for i, layer in enumerate(inner.layers):
+        inner.layers[i] = Tap(layer, i, recorder)
+    inner.norm = Tap(inner.norm, "post_norm", recorder)
+    object.__setattr__(inner, "_speculant_recorder", recorder)
+    return recorder
+
+
+class MLXTarget(TargetModel):
+    def __init__(self, model: nn.Module, tokenizer, info: TargetInfo, backend) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.backend = backend
+        self._inner = text_model(model)
+        self._recorder = install_taps(model)
+        self._head = _output_head(model, self._inner)
+        self._embed_scale = getattr(self._inner, "embed_scale", None)
+        self._length = 0
+        self.cache = self._new_cache()
+
+    @classmethod
+    def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(Path(path), lazy=True)
+        if backend.dtype is not None:
+            model.set_dtype(backend.dtype)
+        mx.eval(model.parameters())
+        return cls(model, load_tokenizer(path, info), info, backend)
+
+    # -- cache -----------------------------------------------------------------------------
+    def _new_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    @property
+    def cache_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
+        self._length = 0
+
+    def crop(self, length: int) -> None:
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        excess = self._length - length
+        if excess <= 0:
+            return
+        if not can_trim_prompt_cache(self.cache):
+            kinds = sorted({type(c).__name__ for c in self.cache if not c.is_trimmable()})
+            raise NotImplementedError(f"this target's cache ({', '.join(kinds)}) cannot be rolled back; "
+                                      "recurrent (GatedDeltaNet) targets are not supported on MLX yet")
+        trim_prompt_cache(self.cache, excess)
+        self._length = length
+
+    # -- forwards --------------------------------------------------------------------------
+    def _run(self, ids: mx.array, capture: Capture) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        self._recorder.start(capture)
+        try:
+            logits = self.model(ids[None], cache=self.cache)
+        finally:
+            features, final = self._recorder.finish(capture)
+        self._length += int(ids.shape[0])
+        return logits[0], features, final
+
+    def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
+        """Chunks of the prompt without logits, then the last token alone for its logits."""
+        ids = mx.array([int(t) for t in token_ids], dtype=mx.int32)
+        n = int(ids.shape[0])
+        features, finals = [], []
+        for start in range(0, n - 1, PREFILL_STEP):
+            _, f, h = self._run(ids[start:min(start + PREFILL_STEP, n - 1)], capture)
+            features.append(f)
+            finals.append(h)
+            mx.eval([c.state for c in self.cache] + [a for a in (f, h) if a is not None])
+        logits, f, h = self._run(ids[n - 1:], capture)
+        features.append(f)
+        finals.append(h)
+        out = ForwardOutput(logits=logits, features=_join(features), final_hidden=_join(finals))
+        _schedule(out)
+        return out
+
+    def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
+        logits, features, final = self._run(token_ids, capture)
+        out = ForwardOutput(logits=logits, features=features, final_hidden=final)
+        _schedule(out)
+        return out
+
+    # -- shared weights for drafters -------------------------------------------------------
+    def embed(self, token_ids) -> mx.array:
+        rows = self._inner.embed_tokens(token_ids)
+        if self._embed_scale is not None:
+            rows = rows * self._embed_scale
+        return rows
+
+    def lm_head(self, hidden) -> mx.array:
+        return self._head(hidden)
+
+
+def _output_head(model: nn.Module, inner: nn.Module):
+    for owner in (model, getattr(model, "language_model", None)):
+        head = getattr(owner, "lm_head", None) if owner is not None else None
+        if head is not None:
+            return head
+    return inner.embed_tokens.as_linear  # tied embeddings
+
+
+def _join(parts: list) -> mx.array | None:
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _schedule(out: ForwardOutput) -> None:
+    """Start computing the outputs now; the verifier's single host read then only waits."""
+    mx.async_eval([a for a in (out.logits, out.features, out.final_hidden) if a is not None])
+
+
+def load_tokenizer(path: str, info: TargetInfo):
+    """mlx-lm's tokenizer wrapper for the folder, or None when it ships no tokenizer."""
+    folder = Path(path)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    return mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)
