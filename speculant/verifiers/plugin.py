@@ -1,0 +1,13 @@
+"""Built-in verifiers, registered through the same hook third-party plugins use."""
+
+from __future__ import annotations
+
+from speculant.plugins.hookspecs import hookimpl
+from speculant.verifiers.greedy import GreedyVerifier
+from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
+
+
+@hookimpl
+def register_verifiers(register):
+    register(GreedyVerifier)
+    register(SpeculativeSamplingVerifier)
