@@ -1,0 +1,244 @@
+"""The ``speculant`` command: ``generate``, ``validate`` and ``plugins``.
+
+Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
+line (or a short list) and exit 2; ``SPECULANT_DEBUG=1`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any, Sequence
+
+from speculant import __version__
+from speculant.core.config import EngineConfig
+from speculant.core.errors import SpeculantError
+
+# generate flag (argparse dest) -> dotted config field it overrides
+OVERRIDES = {
+    "target": "target.path",
+    "draft": "drafter.path",
+    "drafter": "drafter.kind",
+    "block_size": "drafter.block_size",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "seed": "sampling.seed",
+    "max_new_tokens": "generation.max_new_tokens",
+    "stop": "generation.stop_strings",
+    "backend": "backend.kind",
+    "device": "backend.device",
+    "dtype": "backend.dtype",
+    "verifier": "verifier.kind",
+}
+INTERRUPTED_EXIT = 130
+
+
+class UsageError(SpeculantError):
+    """The command line is inconsistent (e.g. no prompt, no model)."""
+
+
+# -- parser ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"speculant {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-p", "--plugin", action="append", default=[], metavar="MODULE",
+                        help="also load this importable module as a plugin (repeatable)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", parents=[common], help="generate text, streaming it to stdout")
+    gen.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; - reads it from stdin")
+    gen.add_argument("--config", metavar="FILE", help="engine config (.toml, .yaml, .json); flags override it")
+    gen.add_argument("--json", action="store_true", help="print the statistics as JSON on stderr")
+    _add_override_flags(gen)
+    chat = gen.add_argument_group("chat")
+    chat.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    chat.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
+    chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                      help="pass enable_thinking to the chat template (with --chat)")
+    gen.set_defaults(func=cmd_generate)
+
+    val = sub.add_parser("validate", parents=[common], help="check a config and model pairing without loading weights")
+    val.add_argument("config", metavar="CONFIG", help="engine config (.toml, .yaml, .json)")
+    val.add_argument("--json", action="store_true", help="print the report as JSON")
+    val.set_defaults(func=cmd_validate)
+
+    plug = sub.add_parser("plugins", parents=[common], help="list plugins and what they registered")
+    plug.add_argument("--json", action="store_true", help="print the list as JSON")
+    plug.add_argument("--traceback", action="store_true", help="show the traceback of failed plugins")
+    plug.add_argument("--check", action="store_true", help="exit 1 if any plugin failed to load")
+    plug.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def _add_override_flags(gen: argparse.ArgumentParser) -> None:
+    g = gen.add_argument_group("settings (override the config file)")
+    g.add_argument("--target", metavar="DIR", help="target model folder")
+    g.add_argument("--draft", metavar="DIR", help="drafter checkpoint folder (kind defaults to dflash)")
+    g.add_argument("--drafter", metavar="KIND", help="drafter kind, or none for plain decoding")
+    g.add_argument("--block-size", type=int, metavar="N", help="draft block size (anchor + proposals)")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
+    g.add_argument("--top-p", type=float, metavar="P")
+    g.add_argument("--top-k", type=int, metavar="K")
+    g.add_argument("--seed", type=int, metavar="N")
+    g.add_argument("--max-new-tokens", type=int, metavar="N")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--backend", metavar="KIND", help="torch or mlx")
+    g.add_argument("--device", metavar="DEV", help="auto, cpu, cuda, cuda:N, mps, gpu")
+    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, bfloat16, float16")
+    g.add_argument("--verifier", metavar="KIND", help="auto, greedy, speculative_sampling, ...")
+
+
+# -- shared helpers --------------------------------------------------------------------------
+def load_registry(args: argparse.Namespace):
+    from speculant.plugins.manager import Registry
+
+    return Registry().load(extra_modules=tuple(args.plugin))
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    """The config file (paths relative to it) with the command-line flags applied on top."""
+    if args.config:
+        data = EngineConfig.load(args.config).model_dump()
+    elif args.target:
+        data = {}
+    else:
+        raise UsageError("no model given: pass --config engine.toml or --target MODEL_DIR "
+                         "(a built-in default model pair is not available yet)")
+    for dest, dotted in OVERRIDES.items():
+        value = getattr(args, dest)
+        if value is not None:
+            section, key = dotted.split(".")
+            data.setdefault(section, {})[key] = value
+    drafter = data.get("drafter", {})
+    if args.draft and drafter.get("kind") in (None, ""):
+        drafter["kind"] = "dflash"
+    return EngineConfig.load(data)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is None:
+        raise UsageError("no prompt: give PROMPT, or - to read it from stdin")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text:
+        raise UsageError("the prompt is empty")
+    return text
+
+
+def apply_chat_template(tokenizer: Any, prompt: str, system: str | None, thinking: bool | None) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--chat: the target's tokenizer has no chat template; drop --chat or use a chat model")
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+
+
+def warn(message: str) -> None:
+    print(f"speculant: warning: {message}", file=sys.stderr)
+
+
+# -- generate --------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from speculant.core.engine import Engine
+
+    if not args.chat and (args.system is not None or args.thinking is not None):
+        raise UsageError("--system and --thinking/--no-thinking need --chat")
+    config = build_config(args)
+    prompt = read_prompt(args)
+    engine = Engine.from_config(config, registry=load_registry(args))
+    for problem in engine.report.warnings if engine.report else []:
+        warn(str(problem))
+    if args.chat:
+        prompt = apply_chat_template(engine.tokenizer, prompt, args.system, args.thinking)
+    stats = stream(engine, prompt)
+    if stats is not None:
+        print(json.dumps(stats.as_dict()) if args.json else str(stats), file=sys.stderr)
+    interrupted = stats is None or stats.stop_reason == "interrupted"
+    return INTERRUPTED_EXIT if interrupted else 0
+
+
+def stream(engine: Any, prompt: str):
+    """Print chunks as they come; Ctrl-C ends generation and keeps what was produced."""
+    chunks = engine.generate(prompt)
+    ended_with_newline = True
+    try:
+        for chunk in chunks:
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                ended_with_newline = chunk.text.endswith("\n")
+    except KeyboardInterrupt:
+        chunks.close()  # runs the engine's cleanup, which records the stats
+    if not ended_with_newline and sys.stdout.isatty():
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    return engine.last_stats
+
+
+# -- validate --------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    from speculant.core.validator import validate
+
+    report = validate(args.config, registry=load_registry(args))
+    if args.json:
+        data = {"config": args.config, "ok": report.ok, "problems": [asdict(p) for p in report.problems]}
+        print(json.dumps(data, indent=2))
+    else:
+        print_report(report)
+    return 0 if report.ok else 1
+
+
+def print_report(report: Any) -> None:
+    for p in report.errors + report.warnings:
+        print(f"{p.severity}: {p.field}: {p.message}")
+        if p.fix:
+            print(f"    fix: {p.fix}")
+    errors, warnings = len(report.errors), len(report.warnings)
+    if not report.problems:
+        print("ok: no problems found")
+    else:
+        print(f"{errors} error(s), {warnings} warning(s)")
+
+
+# -- plugins ---------------------------------------------------------------------------------
+def cmd_plugins(args: argparse.Namespace) -> int:
+    registry = load_registry(args)
+    if args.json:
+        print(json.dumps([p.as_dict() for p in registry.plugins], indent=2))
+    else:
+        for record in registry.plugins:
+            print_plugin(record, args.traceback)
+    return 1 if args.check and registry.failed_plugins() else 0
+
+
+def print_plugin(p: Any, show_traceback: bool) -> None:
+    origin = "builtin" if p.distribution == "builtin" else p.distribution
+    status = f"failed: {p.error}" if p.status == "failed" else p.status
+    print(f"{p.name} ({origin} {p.version}): {status}")
+    print(f"    module: {p.module}" + (f" at {p.location}" if p.location else ""))
+    if p.hooks:
+        print(f"    hooks: {', '.join(p.hooks)}")
+    for kind, names in p.registered.items():
+        print(f"    {kind}: {', '.join(names)}")
+    if show_traceback and p.traceback:
+        print("    " + p.traceback.rstrip().replace("\n", "\n    "))
+
+
+# -- entry point -----------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpeculantError as exc:
+        if os.environ.get("SPECULANT_DEBUG") == "1":
+            raise
+        print(f"speculant: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before generation started (e.g. while loading weights)
+        print("speculant: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
