@@ -1,0 +1,41 @@
+"""Layering rules: import-linter contracts, and the core staying free of array libraries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "mlx", "transformers", "mlx_lm")
+
+
+def test_import_linter_contracts_are_kept():
+    pytest.importorskip("importlinter")
+    run = subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()", "--no-cache"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "BROKEN" not in run.stdout
+    assert "0 broken" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "speculant, speculant.core.engine, speculant.core.validator",
+        "speculant.cli, speculant.plugins.manager, speculant.core.config",
+    ],
+)
+def test_core_imports_no_array_library(modules):
+    code = (
+        f"import json, sys; import {modules}; "
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == []

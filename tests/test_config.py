@@ -1,0 +1,189 @@
+"""EngineConfig loading: formats, strictness, field paths in errors, relative paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from speculant.core.config import EngineConfig, QuantizationConfig, parse_quantization
+from speculant.core.errors import ConfigError
+
+TOML = """
+[backend]
+kind = "torch"
+dtype = "float32"
+
+[target]
+path = "models/target"
+
+[drafter]
+kind = "dflash"
+path = "models/draft"
+block_size = 8
+
+[sampling]
+temperature = 0.7
+top_p = 0.9
+seed = 3
+
+[generation]
+max_new_tokens = 32
+stop_strings = ["\\n\\n"]
+"""
+
+
+def write(tmp_path: Path, name: str, text: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def test_toml_file_loads_every_section(tmp_path):
+    config = EngineConfig.load(write(tmp_path, "engine.toml", TOML))
+    assert config.backend.dtype == "float32"
+    assert config.drafter.kind == "dflash" and config.drafter.block_size == 8
+    assert config.sampling.temperature == 0.7 and config.sampling.top_p == 0.9 and config.sampling.seed == 3
+    assert config.generation.max_new_tokens == 32 and config.generation.stop_strings == ["\n\n"]
+    assert config.verifier.kind == "auto"
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    config = EngineConfig.load(str(write(sub, "engine.toml", TOML)))
+    assert config.target.path == sub.resolve() / "models/target"
+    assert config.drafter.path == sub.resolve() / "models/draft"
+
+
+def test_absolute_paths_stay_and_dict_paths_are_not_rebased(tmp_path):
+    text = TOML.replace('"models/target"', json.dumps(str(tmp_path / "abs")))
+    config = EngineConfig.load(write(tmp_path, "engine.toml", text))
+    assert config.target.path == tmp_path / "abs"
+    from_dict = EngineConfig.load({"target": {"path": "rel/target"}})
+    assert from_dict.target.path == Path("rel/target")
+
+
+def test_yaml_and_json_load_the_same_config(tmp_path):
+    data = {"target": {"path": "t"}, "drafter": {"kind": "dflash", "path": "d", "block_size": 4},
+            "sampling": {"temperature": 1.0, "top_k": 20}}
+    yaml_text = "target:\n  path: t\ndrafter:\n  kind: dflash\n  path: d\n  block_size: 4\nsampling:\n  temperature: 1.0\n  top_k: 20\n"
+    from_yaml = EngineConfig.load(write(tmp_path, "e.yaml", yaml_text))
+    from_yml = EngineConfig.load(write(tmp_path, "e.yml", yaml_text))
+    from_json = EngineConfig.load(write(tmp_path, "e.json", json.dumps(data)))
+    assert from_yaml == from_yml == from_json
+    assert from_json.target.path == tmp_path.resolve() / "t"
+    assert from_json.sampling.top_k == 20 and from_json.drafter.block_size == 4
+
+
+def test_dict_and_model_sources():
+    config = EngineConfig.load({"target": {"path": "/m"}})
+    assert EngineConfig.load(config) is config
+    assert config.drafter.enabled is False
+    assert EngineConfig.load({"target": {"path": "/m"}, "drafter": {"kind": "none"}}).drafter.enabled is False
+    assert EngineConfig.load({"target": {"path": "/m"}, "drafter": {"kind": "dflash"}}).drafter.enabled is True
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"target": {"path": "/m"}, "drafter": {"blok_size": 4}}, "drafter.blok_size"),
+        ({"target": {"path": "/m"}, "sampling": {"temprature": 0.5}}, "sampling.temprature"),
+        ({"target": {"path": "/m"}, "engine": {}}, "engine"),
+        ({"target": {"path": "/m", "revision": "main"}}, "target.revision"),
+    ],
+)
+def test_unknown_key_names_the_dotted_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.load(data)
+    assert f"{field}: unknown key" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"target": {"path": "/m"}, "drafter": {"block_size": "eight"}}, "drafter.block_size"),
+        ({"target": {"path": "/m"}, "sampling": {"temperature": "hot"}}, "sampling.temperature"),
+        ({"target": {"path": "/m"}, "generation": {"stop_token_ids": 5}}, "generation.stop_token_ids"),
+        ({"target": {"path": "/m"}, "generation": {"max_new_tokens": 0}}, "generation.max_new_tokens"),
+        ({"target": "model-folder"}, "target"),
+    ],
+)
+def test_wrong_type_names_the_dotted_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.load(data)
+    assert f"  - {field}:" in str(err.value)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.load({"drafter": {"block_size": "x", "colour": 1}})
+    text = str(err.value)
+    assert "target: required key is missing" in text
+    assert "drafter.block_size" in text and "drafter.colour: unknown key" in text
+
+
+def test_wrong_type_in_a_toml_file_names_the_field(tmp_path):
+    path = write(tmp_path, "engine.toml", TOML.replace("block_size = 8", 'block_size = "big"'))
+    with pytest.raises(ConfigError, match=r"drafter\.block_size"):
+        EngineConfig.load(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        EngineConfig.load(tmp_path / "nope.toml")
+
+
+def test_unparseable_toml_names_the_file(tmp_path):
+    path = write(tmp_path, "engine.toml", "[target\npath = 1\n")
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.load(path)
+    assert "cannot parse" in str(err.value) and str(path) in str(err.value) and "TOML" in str(err.value)
+
+
+def test_unreadable_file_is_a_config_error(tmp_path):
+    path = write(tmp_path, "engine.toml", b"\xff\xfe\x00 not utf-8 \x80")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        EngineConfig.load(path)
+
+
+@pytest.mark.parametrize("name, text", [("e.yaml", "target: [unclosed\n"), ("e.json", "{'target': 1}")])
+def test_unparseable_yaml_and_json(tmp_path, name, text):
+    with pytest.raises(ConfigError, match="cannot parse"):
+        EngineConfig.load(write(tmp_path, name, text))
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="must be a table/mapping"):
+        EngineConfig.load(write(tmp_path, "e.yaml", "- target\n- drafter\n"))
+
+
+def test_unknown_extension(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config format"):
+        EngineConfig.load(write(tmp_path, "engine.ini", "[target]\npath=x\n"))
+
+
+def test_empty_yaml_reports_the_missing_target(tmp_path):
+    with pytest.raises(ConfigError, match="target: required key is missing"):
+        EngineConfig.load(write(tmp_path, "e.yaml", ""))
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("w4a16:gs64", QuantizationConfig(weight_bits=4, activation_bits=16, group_size=64)),
+        ("w8", QuantizationConfig(weight_bits=8, activation_bits=16, group_size=64)),
+        ("W4:gs32", QuantizationConfig(weight_bits=4, activation_bits=16, group_size=32)),
+        ("off", None),
+        (None, None),
+    ],
+)
+def test_quantization_specs_parse(spec, expected):
+    assert parse_quantization(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["int4", "w4:g64", "wfour", "w4a16:gsx"])
+def test_bad_quantization_specs_raise(spec):
+    with pytest.raises(ConfigError, match="drafter.quantization"):
+        parse_quantization(spec)
