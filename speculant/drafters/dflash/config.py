@@ -239,3 +239,45 @@ def check_tensors(path: str | Path, cfg: DFlashConfig, expected: dict[str, tuple
 
 def describe_problems_to_error(problems: list[Problem]) -> CheckpointError:
     return CheckpointError("; ".join(str(p) for p in problems))
+
+
+def published_config(
+    target: dict,
+    mask_token_id: int,
+    target_layer_ids: list[int],
+    num_layers: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    architecture: str = "DFlashDraftModel",
+    extra_dflash: dict | None = None,
+) -> dict:
+    """A draft ``config.json`` in the published layout for a target's ``config.json``: the
+    target's attention/MLP shapes and RoPE, the DFlash keys under ``dflash_config``."""
+    layer_type = "sliding_attention" if sliding_window else "full_attention"
+    rope = {k: target[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in target}
+    return {
+        "architectures": [architecture],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": block_size,
+        "dflash_config": {"block_size": block_size, "mask_token_id": mask_token_id,
+                          "target_layer_ids": list(target_layer_ids), **(extra_dflash or {})},
+        "dtype": "float32",
+        "head_dim": target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"],
+        "hidden_act": "silu",
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "layer_types": [layer_type] * num_layers,
+        "max_position_embeddings": target.get("max_position_embeddings"),
+        "num_attention_heads": target["num_attention_heads"],
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": target.get("num_key_value_heads", target["num_attention_heads"]),
+        "num_target_layers": target["num_hidden_layers"],
+        "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
+        **rope,
+        "sliding_window": sliding_window,
+        "use_sliding_window": bool(sliding_window),
+        "tie_word_embeddings": False,
+        "vocab_size": target["vocab_size"],
+    }

@@ -1,0 +1,156 @@
+"""``speculant train tokenizer | target | dflash | evaluate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser("train", help="train a tokenizer, a small target or a drafter")
+    steps = train.add_subparsers(dest="train_command", required=True, metavar="WHAT")
+
+    tok = steps.add_parser("tokenizer", help="byte-level BPE on the Python standard library")
+    tok.add_argument("--out", required=True, type=Path)
+    tok.add_argument("--vocab-size", type=int, default=8192)
+    tok.add_argument("--include-tests", action="store_true")
+    tok.set_defaults(func=cmd_tokenizer)
+
+    tgt = steps.add_parser("target", help="pretrain a small Qwen3 target on the corpus")
+    tgt.add_argument("--tokenizer", required=True, type=Path)
+    tgt.add_argument("--out", required=True, type=Path)
+    tgt.add_argument("--hidden-size", type=int, default=256)
+    tgt.add_argument("--layers", type=int, default=8)
+    tgt.add_argument("--seq-len", type=int, default=256)
+    tgt.add_argument("--batch", type=int, default=8)
+    _loop_flags(tgt, steps=2000, lr=1e-3)
+    tgt.set_defaults(func=cmd_target)
+
+    dfl = steps.add_parser("dflash", help="train a DFlash drafter against a local target")
+    dfl.add_argument("--target", required=True, type=Path)
+    dfl.add_argument("--out", required=True, type=Path)
+    dfl.add_argument("--block-size", type=int, default=8)
+    dfl.add_argument("--layers", type=int, default=2)
+    dfl.add_argument("--features", type=int, default=3, help="number of target layers read")
+    dfl.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
+    dfl.add_argument("--prompt-len", type=int, default=64)
+    dfl.add_argument("--response-len", type=int, default=192)
+    dfl.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
+    dfl.add_argument("--batch", type=int, default=4)
+    _loop_flags(dfl, steps=1000, lr=6e-4)
+    dfl.set_defaults(func=cmd_dflash)
+
+    ev = steps.add_parser("evaluate", help="mean acceptance length on held-out files")
+    ev.add_argument("--target", required=True, type=Path)
+    ev.add_argument("--draft", required=True, type=Path)
+    ev.add_argument("--drafter", default="dflash")
+    ev.add_argument("--block-size", type=int)
+    ev.add_argument("--prompts", type=int, default=8)
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.set_defaults(func=cmd_evaluate)
+
+
+def _loop_flags(parser, steps: int, lr: float) -> None:
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp32", action="store_true", help="train in float32 instead of bf16 autocast")
+    parser.add_argument("--checkpoint-every", type=int, default=200)
+    parser.add_argument("--stop-at", type=int, help="stop this run at this step (resumable), keeping the schedule")
+
+
+def _settings(args):
+    from speculant.training.loop import TrainSettings
+
+    return TrainSettings(steps=args.steps, lr=args.lr, seed=args.seed, bf16=not args.fp32,
+                         checkpoint_every=args.checkpoint_every, stop_at=args.stop_at)
+
+
+def corpus_texts(held_out: bool = False, include_tests: bool = False) -> list[str]:
+    from speculant.training.corpus import read_text, split, stdlib_files
+
+    train, held = split(stdlib_files(include_tests=include_tests))
+    return [t for t in map(read_text, held if held_out else train) if t]
+
+
+def cmd_tokenizer(args) -> int:
+    from speculant.training.corpus import split, stdlib_files, write_manifest
+    from speculant.training.tokenizer import train_tokenizer
+
+    train, held = split(stdlib_files(include_tests=args.include_tests))
+    train_tokenizer(corpus_texts(include_tests=args.include_tests), args.out, args.vocab_size)
+    write_manifest(args.out / "corpus.json", train, held, {"vocab_size": args.vocab_size, "include_tests": args.include_tests})
+    print(f"tokenizer saved to {args.out}")
+    return 0
+
+
+def cmd_target(args) -> int:
+    from transformers import AutoTokenizer
+
+    from speculant.training.target import TargetShape, encode_corpus, train_target
+
+    stream_file = args.out / "corpus_tokens.npy"
+    if stream_file.exists():
+        stream = np.load(stream_file)
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stream = encode_corpus(AutoTokenizer.from_pretrained(str(args.tokenizer)), corpus_texts())
+        np.save(stream_file, stream)
+    heads = max(2, args.hidden_size // 64)
+    shape = TargetShape(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=heads,
+                        num_key_value_heads=max(1, heads // 2), head_dim=64, intermediate_size=3 * args.hidden_size)
+    path = train_target(args.tokenizer, stream, args.out, shape, _settings(args), args.batch, args.seq_len)
+    print(f"target saved to {path} ({len(stream):,} corpus tokens)")
+    return 0
+
+
+def cmd_dflash(args) -> int:
+    from speculant.training.dflash import DFlashShape, generate_sequences, train_dflash
+    from speculant.training.features import load_frozen_target
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    seq_file = args.out / "sequences.npy"
+    if seq_file.exists():
+        sequences = np.load(seq_file)
+    else:
+        prompts = corpus_prompts(args.target, args.sequences, args.prompt_len, args.seed)
+        sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len)
+        np.save(seq_file, sequences)
+    shape = DFlashShape(args.layers, args.block_size, args.features, args.anchors)
+    path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
+    print(f"draft saved to {path}")
+    return 0
+
+
+def corpus_prompts(target_dir: Path, count: int, length: int, seed: int, held_out: bool = False) -> np.ndarray:
+    """Random windows of the (training or held-out) corpus, tokenized by the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    rng = np.random.default_rng(seed)
+    texts = corpus_texts(held_out=held_out)
+    prompts = []
+    while len(prompts) < count:
+        ids = tokenizer.encode(texts[rng.integers(len(texts))], add_special_tokens=False)
+        if len(ids) > length + 1:
+            start = rng.integers(0, len(ids) - length)
+            prompts.append(ids[start : start + length])
+    return np.asarray(prompts, dtype=np.int32)
+
+
+def cmd_evaluate(args) -> int:
+    import speculant
+
+    config = {"target": {"path": str(args.target)},
+              "drafter": {"kind": args.drafter, "path": str(args.draft), "block_size": args.block_size}}
+    engine = speculant.Engine.from_config(config)
+    taus = []
+    for prompt in corpus_prompts(args.target, args.prompts, 64, seed=1234, held_out=True):
+        stats = engine.run(prompt_ids=prompt.tolist(), max_new_tokens=args.max_new_tokens, ignore_eos=True).stats
+        taus.append(stats.mean_acceptance_length)
+    result = {"mean_acceptance_length": float(np.mean(taus)), "per_prompt": taus, "prompts": len(taus)}
+    print(json.dumps(result, indent=1))
+    return 0

@@ -1,0 +1,170 @@
+"""Train a DFlash drafter against a local Hugging Face target.
+
+Objective (block diffusion): random anchor positions in sequences the target generated
+itself; each anchor opens the block ``[token[a], mask x (B-1)]`` at positions a..a+B-1; a
+block row sees context positions strictly before its anchor and its own block, nothing of
+other blocks; row k predicts ``token[a+k]`` with weight ``exp(-(k-1)/gamma)``. Frozen target,
+embedding and LM head borrowed from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speculant.core.types import Capture
+from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
+from speculant.training.features import capture_batch, load_frozen_target
+from speculant.training.loop import TrainSettings, train
+
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class DFlashShape:
+    num_layers: int = 2
+    block_size: int = 8
+    num_features: int = 3
+    anchors_per_sequence: int = 32
+
+
+def default_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    from speculant.drafters.dflash.config import default_target_layer_ids
+
+    return default_target_layer_ids(num_target_layers, num_features)
+
+
+@torch.no_grad()
+def generate_sequences(target, prompts: np.ndarray, new_tokens: int, batch: int = 16) -> np.ndarray:
+    """Greedy continuations by the target itself (what greedy speculative decoding will see)."""
+    out = []
+    model = target.model
+    for i in range(0, len(prompts), batch):
+        ids = torch.from_numpy(prompts[i : i + batch].astype(np.int64)).to(model.device)
+        seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out.append(seq.cpu().numpy().astype(np.int32))
+    return np.concatenate(out)
+
+
+def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
+    """Keep-mask [n*B, S + n*B]: context strictly before the row's anchor, plus its own block."""
+    n = anchors.shape[0]
+    rows_block = torch.arange(n).repeat_interleave(block)
+    ctx_keep = torch.arange(seq_len)[None, :] < anchors[rows_block][:, None]
+    own = rows_block[:, None] == rows_block[None, :]
+    return torch.cat([ctx_keep, own], dim=1)
+
+
+def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, cfg: DFlashConfig):
+    """Draft hidden states [n, B, H] of the blocks opened at ``anchors`` in one sequence."""
+    B = cfg.block_size
+    S = features.shape[0]
+    dtype = next(model.parameters()).dtype
+    ctx = model.project_context(features.to(dtype))
+    ctx_cos, ctx_sin = model.rotary(torch.arange(S), dtype)
+    positions = (anchors[:, None] + torch.arange(B)[None, :]).reshape(-1)
+    cos, sin = model.rotary(positions, dtype)
+    ids = torch.full((anchors.shape[0], B), cfg.mask_token_id, dtype=torch.long)
+    ids[:, 0] = tokens[anchors]
+    with torch.no_grad():
+        x = target.embed(ids.reshape(-1)).to(dtype)
+    x = x * cfg.input_embedding_scale
+    mask = block_mask(anchors, S, B)
+    for layer in model.layers:
+        ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
+        x = layer(x, cos, sin, ck, cv, mask)
+    return model.norm(x).reshape(anchors.shape[0], B, -1)
+
+
+def block_loss(model, target, features, tokens, anchors, cfg: DFlashConfig) -> tuple[torch.Tensor, dict]:
+    B = cfg.block_size
+    hidden = draft_forward(model, target, features, tokens, anchors, cfg)[:, 1:]
+    logits = target._head(hidden).float() * cfg.output_multiplier
+    labels = tokens[anchors[:, None] + torch.arange(1, B)[None, :]]
+    gamma = GAMMA.get(B, max(1.0, B / 2))
+    weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma).expand_as(labels)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
+    loss = (ce * weights).sum() / weights.sum()
+    accuracy = (logits.argmax(-1) == labels).float().mean(0)
+    return loss, {"acc1": float(accuracy[0])}
+
+
+def init_draft(cfg: DFlashConfig, seed: int):
+    from speculant.drafters.dflash.torch import DFlashModel
+
+    torch.manual_seed(seed)
+    model = DFlashModel(cfg)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    return model
+
+
+def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFlashConfig:
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    tok = json.loads((target_dir / "tokenizer.json").read_text())
+    mask = next((t["id"] for t in tok.get("added_tokens", []) if t["content"] in ("<|mask|>", "<|MASK|>")), None)
+    if mask is None:
+        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; add one (DFlash needs a mask id inside the vocab)")
+    layer_ids = default_layer_ids(tcfg["num_hidden_layers"], shape.num_features)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(
+        published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size), indent=2))
+    cfg, problems = parse_config(out_dir)
+    if problems:
+        raise ValueError("; ".join(map(str, problems)))
+    return cfg
+
+
+def train_dflash(
+    target_dir: str | Path,
+    sequences: np.ndarray,
+    prompt_len: int,
+    out_dir: str | Path,
+    shape: DFlashShape = DFlashShape(),
+    settings: TrainSettings = TrainSettings(lr=6e-4),
+    batch: int = 4,
+) -> Path:
+    """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft."""
+    from safetensors.torch import save_file
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    target = load_frozen_target(target_dir)
+    cfg = new_draft_config(target_dir, out_dir, shape)
+    model = init_draft(cfg, settings.seed)
+    capture = Capture(tuple(cfg.target_layer_ids))
+    S, B = sequences.shape[1], cfg.block_size
+    low, high = max(0, prompt_len - 1), S - B  # anchors in the response (or its last prompt token)
+
+    def make_batch(step: int, rank: int):
+        rng = np.random.default_rng([settings.seed, step, rank])
+        rows = rng.integers(0, len(sequences), size=batch)
+        ids = torch.from_numpy(sequences[rows].astype(np.int64))
+        anchors = [torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=min(shape.anchors_per_sequence, high - low + 1), replace=False)))
+                   for _ in rows]
+        return ids, anchors
+
+    def loss_fn(model, batch_data):
+        ids, anchors = batch_data
+        features, _ = capture_batch(target, ids, capture)
+        losses, accs = [], []
+        for i in range(ids.shape[0]):
+            loss, metrics = block_loss(model, target, features[i], ids[i], anchors[i], cfg)
+            losses.append(loss)
+            accs.append(metrics["acc1"])
+        return torch.stack(losses).mean(), ids.numel(), {"acc1": float(np.mean(accs))}
+
+    train(model, make_batch, loss_fn, settings, out_dir / "checkpoint", description="dflash")
+    state = {k: v.detach().contiguous().cpu().float() for k, v in model.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
+                                                        "batch": batch, "sequences": int(len(sequences)),
+                                                        "sequence_length": int(S), "prompt_len": prompt_len}, indent=1))
+    return out_dir

@@ -1,0 +1,36 @@
+"""Target features for training, taken through the inference capture path (TorchTarget hooks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from speculant.core.config import BackendConfig
+from speculant.core.types import Capture
+from speculant.core.validator import read_target_info
+
+
+def load_frozen_target(path: str | Path, device: str = "cpu", dtype: str = "float32"):
+    """The target as inference loads it (TorchBackend + TorchTarget), frozen."""
+    from speculant.backends.torch.backend import TorchBackend
+
+    backend = TorchBackend(BackendConfig(kind="torch", device=device, dtype=dtype))
+    return backend.load_target(str(path), read_target_info(Path(path)))
+
+
+@torch.no_grad()
+def capture_batch(target, input_ids: torch.Tensor, capture: Capture) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Features [B, S, K*H] (and final hidden [B, S, H]) for whole sequences, no KV cache,
+    through the same forward hooks inference uses."""
+    recorder = target._recorder
+    recorder.start(capture)
+    try:
+        target.model.model(input_ids=input_ids.to(target.model.device), use_cache=False)
+    finally:
+        got, recorder.active = recorder.active or {}, None
+    features = torch.cat([got[i] for i in capture.layer_ids], dim=-1) if capture.layer_ids else None
+    final = None
+    if capture.final_hidden is not None:
+        final = got["post_norm" if capture.final_hidden == "post_norm" else recorder.last_layer]
+    return features, final

@@ -1,0 +1,168 @@
+"""Training smoke tests: loss goes down, files load through the project's loaders, lossless output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import speculant  # noqa: E402
+from speculant.training.loop import TrainSettings  # noqa: E402
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from speculant.training.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(TEXTS, out, vocab_size=300)
+    return out
+
+
+def test_tokenizer_has_eos_and_mask(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert tok.convert_ids_to_tokens([0, 1]) == ["<|endoftext|>", "<|mask|>"]
+    assert tok.eos_token_id == 0 and tok.mask_token_id == 1
+    text = "def add(a, b):\n    return a + b\n"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def small_target(tokenizer_dir, out, steps=40, stop_at=None):
+    from transformers import AutoTokenizer
+
+    from speculant.training.target import TargetShape, encode_corpus, train_target
+
+    stream = encode_corpus(AutoTokenizer.from_pretrained(str(tokenizer_dir)), TEXTS)
+    shape = TargetShape(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, max_position_embeddings=256)
+    settings = TrainSettings(steps=steps, lr=3e-3, bf16=False, checkpoint_every=20, warmup_ratio=0.1, stop_at=stop_at)
+    return train_target(tokenizer_dir, stream, out, shape, settings, batch=4, seq_len=48), stream, shape, settings
+
+
+@pytest.fixture(scope="module")
+def trained_target(tokenizer_dir, tmp_path_factory):
+    torch.set_num_threads(2)
+    return small_target(tokenizer_dir, tmp_path_factory.mktemp("target"))[0]
+
+
+def test_target_loss_decreases_and_loads(trained_target):
+    from transformers import AutoModelForCausalLM
+
+    info = json.loads((trained_target / "training.json").read_text())
+    assert info["train_tokens_seen"] > 0
+    AutoModelForCausalLM.from_pretrained(str(trained_target))  # transformers loads it unchanged
+    engine = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
+    text = engine.run("def add(", max_new_tokens=8, ignore_eos=True).text
+    assert isinstance(text, str) and engine.last_stats.new_tokens == 8
+
+
+def test_loss_history_goes_down(tokenizer_dir, tmp_path):
+    from speculant.training import loop
+
+    history = []
+    original = loop.train
+
+    def recording_train(*args, **kwargs):
+        history.extend(original(*args, **kwargs))
+        return history
+
+    loop_train = loop.train
+    try:
+        import speculant.training.target as target_mod
+
+        target_mod.train = recording_train
+        small_target(tokenizer_dir, tmp_path / "t", steps=40)
+    finally:
+        target_mod.train = loop_train
+    assert np.mean(history[-5:]) < 0.8 * np.mean(history[:5])
+
+
+def test_resume_gives_the_same_weights(tokenizer_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    full, *_ = small_target(tokenizer_dir, tmp_path / "full", steps=30)
+    # a run that stops at step 13 (checkpointed there), then resumes to 30
+    small_target(tokenizer_dir, tmp_path / "resumed", steps=30, stop_at=13)
+    resumed, *_ = small_target(tokenizer_dir, tmp_path / "resumed", steps=30)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_dflash_training_learns_and_is_lossless(trained_target, tmp_path):
+    from speculant.training.dflash import DFlashShape, generate_sequences, train_dflash
+    from speculant.training.features import load_frozen_target
+
+    target = load_frozen_target(trained_target)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(2, 300, size=(24, 8)).astype(np.int32)
+    sequences = generate_sequences(target, prompts, 40)
+    shape = DFlashShape(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=16)
+    settings = TrainSettings(steps=100, lr=1e-2, bf16=False, checkpoint_every=100, warmup_ratio=0.1)
+    from speculant.training import dflash as dflash_mod
+
+    history = []
+    original = dflash_mod.train
+    dflash_mod.train = lambda *a, **k: history.extend(original(*a, **k)) or history
+    try:
+        draft = train_dflash(trained_target, sequences, 8, tmp_path / "draft", shape, settings, batch=2)
+    finally:
+        dflash_mod.train = original
+    assert np.mean(history[-10:]) < 0.7 * np.mean(history[:5])
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["mask_token_id"] == 1
+    spec = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+                                         "drafter": {"kind": "dflash", "path": str(draft)}})
+    plain = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
+    taus = []
+    for row in range(4):
+        prompt = sequences[row, :8].tolist()
+        result = spec.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
+        assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True).token_ids
+        taus.append(result.stats.mean_acceptance_length)
+    assert np.mean(taus) > 1.5  # it learned the target's behaviour (an untrained draft gets ~1.0)
+
+
+def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):
+    """`accelerate launch` with two CPU processes runs the same trainer."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from tests_training_entry import main\n"
+        "main(sys.argv[1], sys.argv[2])\n"
+    )
+    (tmp_path / "tests_training_entry.py").write_text(
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from transformers import AutoTokenizer\n"
+        "from speculant.training.loop import TrainSettings\n"
+        "from speculant.training.target import TargetShape, encode_corpus, train_target\n"
+        f"TEXTS = {TEXTS[:3]!r} * 20\n"
+        "def main(tok, out):\n"
+        "    torch.set_num_threads(1)\n"
+        "    stream = encode_corpus(AutoTokenizer.from_pretrained(tok), TEXTS)\n"
+        "    shape = TargetShape(64, 2, 4, 2, 16, 128, 256)\n"
+        "    train_target(tok, stream, Path(out), shape, TrainSettings(steps=6, lr=1e-3, bf16=False, checkpoint_every=3), 2, 32)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tokenizer_dir), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "model" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "out" / "checkpoint" / "state.json").read_text())["step"] == 6
