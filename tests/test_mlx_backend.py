@@ -199,3 +199,55 @@ def test_bfloat16_target_and_peak_memory(planted_pair):
     plain = speculant.Engine.from_config({"backend": {"kind": "mlx", "dtype": "bfloat16"}, "target": {"path": str(planted_pair["target"])}})
     kwargs = dict(prompt_ids=[5, 6, 7], max_new_tokens=24, ignore_eos=True)
     assert e.run(block_size=8, **kwargs).token_ids == plain.run(**kwargs).token_ids
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory, planted_pair, torch_threads):
+    """A tiny Llama target saved by transformers (tokenizer borrowed from the planted target)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speculant.testing.tiny import build_tiny_dflash
+
+    root = tmp_path_factory.mktemp("llama")
+    target = root / "target"
+    target.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(planted_pair["target"] / name, target / name)
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 2.0 / p.shape[-1] ** 0.5)
+    model.save_pretrained(str(target), safe_serialization=True)
+    draft = build_tiny_dflash(root / "draft", target, seed=7, block_size=8, target_layer_ids=[1, 2])
+    return {"target": target, "draft": draft}
+
+
+def test_llama_target_matches_torch_and_stays_lossless(llama_pair):
+    from speculant.backends.mlx.target import Tap
+
+    kw = dict(prompt_ids=[5, 6, 7, 8], max_new_tokens=24, ignore_eos=True)
+    plain = {kind: speculant.Engine.from_config({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
+                                                 "target": {"path": str(llama_pair["target"])}}) for kind in ("torch", "mlx")}
+    assert plain["mlx"].target.info.model_type == "llama"
+    assert isinstance(plain["mlx"].target.model.model.layers[0], Tap)
+    tokens = plain["mlx"].run(**kw).token_ids
+    assert tokens == plain["torch"].run(**kw).token_ids
+    captured = {}
+    for kind, e in plain.items():
+        e.target.reset()
+        captured[kind] = e.target.prefill(PROMPT, Capture((1, 2), "post_norm"))
+    for field in ("features", "final_hidden"):
+        np.testing.assert_allclose(host(getattr(captured["mlx"], field)), host(getattr(captured["torch"], field)), atol=2e-4)
+    spec = speculant.Engine.from_config({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
+                                         "target": {"path": str(llama_pair["target"])},
+                                         "drafter": {"kind": "dflash", "path": str(llama_pair["draft"])}})
+    for block in (3, 8):
+        assert spec.run(block_size=block, **kw).token_ids == tokens
