@@ -184,12 +184,13 @@ def _unit_rows(x: np.ndarray) -> np.ndarray:
 
 
 def build_bigram_target(path: str | Path, cycle_length: int = 32, seed: int = 0, layer_scale: float = 1e-3,
-                        first_token: int = 100) -> tuple[Path, list[int]]:
+                        first_token: int = 100, head_scale: float = 8.0) -> tuple[Path, list[int]]:
     """A Qwen3 target whose greedy next token after ``cycle[i]`` is ``cycle[i + 1]`` (cyclic).
 
     The attention and MLP output projections are scaled by ``layer_scale`` (the residual stream
     stays close to the token embedding, with a small context-dependent part), and the LM-head
-    row of ``f(x)`` is the unit embedding of x, so argmax(head(norm(E[x]))) = f(x).
+    row of ``f(x)`` is ``head_scale`` times the unit embedding of x, so argmax(head(norm(E[x])))
+    = f(x); the logit of f(x) is about ``head_scale * sqrt(hidden_size)`` (smaller: softer rows).
     """
     from safetensors.numpy import load_file, save_file
 
@@ -207,7 +208,7 @@ def build_bigram_target(path: str | Path, cycle_length: int = 32, seed: int = 0,
     emb = state["model.embed_tokens.weight"]
     head = np.zeros_like(state["lm_head.weight"])
     for i, x in enumerate(cycle):
-        head[cycle[(i + 1) % cycle_length]] = _unit_rows(emb[x]) * 8.0
+        head[cycle[(i + 1) % cycle_length]] = _unit_rows(emb[x]) * head_scale
     state["lm_head.weight"] = head
     save_file(state, str(file), metadata={"format": "pt"})
     return path, cycle
