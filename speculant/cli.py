@@ -1,4 +1,4 @@
-"""The ``speculant`` command: ``generate``, ``validate`` and ``plugins``.
+"""The ``speculant`` command: ``generate``, ``validate``, ``plugins``, ``bench`` and ``train``.
 
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2; ``SPECULANT_DEBUG=1`` shows the traceback instead.
@@ -72,7 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     plug.add_argument("--traceback", action="store_true", help="show the traceback of failed plugins")
     plug.add_argument("--check", action="store_true", help="exit 1 if any plugin failed to load")
     plug.set_defaults(func=cmd_plugins)
+
+    _add_bench(sub, common)
+    _add_train(sub)
     return parser
+
+
+def _add_train(sub: Any) -> None:
+    """``speculant train``: parser and commands live in speculant.training.command.
+
+    Imported by name: its commands load torch lazily, and the CLI itself stays array-library free.
+    """
+    import importlib
+
+    importlib.import_module("speculant.training.command").add_parser(sub)
+
+
+def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``speculant bench``: parser and command live in speculant.bench.command (no array library)."""
+    from speculant.bench.command import add_parser
+
+    add_parser(sub, parents=[common])
 
 
 def _add_override_flags(gen: argparse.ArgumentParser) -> None:
