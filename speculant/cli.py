@@ -175,16 +175,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         warn(str(problem))
     if args.chat:
         prompt = apply_chat_template(engine.tokenizer, prompt, args.system, args.thinking)
-    stats = stream(engine, prompt)
+    # a rendered chat template already holds the special tokens it needs
+    stats = stream(engine, prompt, add_special_tokens=not args.chat)
     if stats is not None:
         print(json.dumps(stats.as_dict()) if args.json else str(stats), file=sys.stderr)
     interrupted = stats is None or stats.stop_reason == "interrupted"
     return INTERRUPTED_EXIT if interrupted else 0
 
 
-def stream(engine: Any, prompt: str):
+def stream(engine: Any, prompt: str, add_special_tokens: bool = True):
     """Print chunks as they come; Ctrl-C ends generation and keeps what was produced."""
-    chunks = engine.generate(prompt)
+    chunks = engine.generate(prompt, add_special_tokens=add_special_tokens)
     ended_with_newline = True
     try:
         for chunk in chunks:
