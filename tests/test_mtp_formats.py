@@ -137,12 +137,13 @@ def test_shape_mismatch_is_named(base, tmp_path):
     assert any("mtp.fc.weight has shape [64, 64], expected [64, 128]" in e for e in errors(validate(config(target))))
 
 
-def test_moe_and_mla_blocks_are_reported_unsupported(base, tmp_path):
+def test_moe_mla_and_dedicated_embeddings_are_reported_unsupported(base, tmp_path):
     target = copy_target(base, tmp_path / "target")
     tensors = mtp_tensors(canonical_mtp(target, 1, seed=2), "deepseek", first_layer=4)
     tensors["model.layers.4.mlp.experts.0.up_proj.weight"] = np.zeros((8, 64), dtype=np.float32)
-    write_mtp(target, tensors, "deepseek", 1, config_updates={"kv_lora_rank": 512})
+    write_mtp(target, tensors, "deepseek", 1, config_updates={"kv_lora_rank": 512, "mtp_use_dedicated_embeddings": True})
     problems = errors(validate(config(target)))
+    assert any("(mtp_use_dedicated_embeddings)" in e for e in problems)
     assert any("(kv_lora_rank)" in e and "MLA" in e for e in problems)
     assert any("mixture-of-experts" in e for e in problems)
 

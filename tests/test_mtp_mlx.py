@@ -56,6 +56,18 @@ def test_both_layouts_validate_for_mlx(pair, layout):
     assert pair["engines"]["mlx", layout].drafter.net.__class__.__name__ == "MLXMTPNetwork"
 
 
+def test_mtp_in_a_strict_mlx_target_folder_is_flagged(pair, tmp_path):
+    from speculant.testing.tiny_mtp import copy_target
+
+    target = copy_target(pair["target"], tmp_path / "target")
+    write_mtp(target, mtp_tensors(canonical_mtp(target, 1, seed=1), "qwen"), "qwen", 1)
+    report = validate({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)},
+                       "drafter": {"kind": "mtp"}})
+    assert report.ok and any("mlx-lm's qwen3 loader" in p.message for p in report.warnings)
+    torch_report = validate({"target": {"path": str(target)}, "drafter": {"kind": "mtp"}})
+    assert not torch_report.warnings
+
+
 def sampled_q(eng, prompt, first, k):
     capture = eng.drafter.info.capture
     eng.target.reset()

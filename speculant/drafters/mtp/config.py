@@ -213,6 +213,9 @@ def _unsupported(cfg: dict, own: dict, where: str) -> list[Problem]:
     if any(".experts." in k or ".shared_expert" in k or k.endswith("mlp.gate.weight") for k in own):
         problems.append(Problem(where, "the MTP block is a mixture-of-experts layer, which the mtp drafter does not support yet",
                                 "use a dense-MLP checkpoint (e.g. the dense Qwen3.5/3.6 models)"))
+    if cfg.get("mtp_use_dedicated_embeddings"):
+        problems.append(Problem(f"{where} (mtp_use_dedicated_embeddings)", "MTP layers with their own embedding are not supported",
+                                "use a checkpoint whose MTP shares the target's embedding (mtp_use_dedicated_embeddings: false)"))
     rope = _rope(cfg)
     if rope["rope_type"] not in ("default", "mrope"):
         problems.append(Problem(f"{where} (rope_parameters.rope_type)", f"rope_type {rope['rope_type']!r} is not supported by the mtp drafter",

@@ -149,6 +149,8 @@ class MTPDrafter(Drafter):
             return self.ops.argmax(logits), None
         from speculant.verifiers.processing import inverse_cdf, target_probs
 
+        if request.rng is None:
+            raise ValueError("sampled MTP drafting needs DraftRequest.rng (a numpy Generator)")
         q = target_probs(self.ops, logits, request.sampling)
         u = float(request.rng.random())
         index = int(self.ops.to_list(inverse_cdf(self.ops, q, u))[0])

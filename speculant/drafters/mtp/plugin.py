@@ -11,6 +11,11 @@ from speculant.drafters.mtp.config import MAX_BLOCK_SIZE, MTPOptions
 from speculant.plugins.hookspecs import hookimpl
 
 
+# mlx-lm model types whose sanitize() drops bundled MTP weights (mlx-lm 0.32)
+MLX_LOADERS_DROPPING_MTP = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "deepseek_v3", "deepseek_v32",
+                            "glm4_moe", "glm4_moe_lite", "mimo")
+
+
 class MTPFactory(DrafterFactory):
     """``drafter.kind = "mtp"``: weights in the target folder (``drafter.path`` unset) or in
     ``drafter.path``; embedding and LM head are always the target's."""
@@ -36,6 +41,11 @@ class MTPFactory(DrafterFactory):
         cfg, problems = parse_mtp(folder, target, options, separate)
         if cfg is None:
             return None, problems
+        if backend == "mlx" and not separate and target.model_type not in MLX_LOADERS_DROPPING_MTP:
+            problems.append(Problem("drafter.path", f"mlx-lm's {target.model_type} loader is strict and may reject the MTP "
+                                    "tensors stored in the target folder",
+                                    "if the target fails to load, move the MTP tensors and a config.json to their own "
+                                    "folder and set drafter.path", severity="warning"))
         return self.info(cfg), problems
 
     def info(self, cfg) -> DrafterInfo:
