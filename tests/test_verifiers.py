@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from speculant.core.arrays import NumpyOps
+from stats_helpers import reference_probs
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.types import Draft, SamplingParams
 from speculant.verifiers import acceptance
@@ -54,20 +55,6 @@ class Uniforms:
         return float(out[0]) if size is None else out.reshape(size)
 
 
-def reference_probs(logits, temperature, top_k=0, top_p=1.0):
-    """Plain NumPy float64: temperature, keep the k largest, softmax, smallest top-p set, renormalise."""
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    if 0 < top_k < z.size:
-        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        n_keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
-        kept = np.zeros_like(p)
-        kept[order[:n_keep]] = p[order[:n_keep]]
-        p = kept / kept.sum()
-    return p
 
 
 def f32(ops, values):

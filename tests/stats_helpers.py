@@ -1,0 +1,83 @@
+"""Shared statistics for the sampling-losslessness tests: an independent NumPy reference of the
+target distribution and a chi-square goodness-of-fit test."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def reference_probs(logits, temperature, top_k=0, top_p=1.0):
+    """Plain NumPy float64: temperature, keep the k largest, softmax, smallest top-p set, renormalise."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    if 0 < top_k < z.size:
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        n_keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+        kept = np.zeros_like(p)
+        kept[order[:n_keep]] = p[order[:n_keep]]
+        p = kept / kept.sum()
+    return p
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    """Survival function of the chi-square distribution: regularised upper gamma Q(df/2, stat/2)."""
+    a, x = df / 2.0, stat / 2.0
+    if x <= 0:
+        return 1.0
+    log_prefix = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:  # series for P(a, x)
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > abs(total) * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_prefix))
+    # Lentz continued fraction for Q(a, x)
+    tiny = 1e-300
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1) < 1e-15:
+            break
+    return math.exp(log_prefix) * h
+
+
+def gof_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square p-value of categorical samples against ``probs``; 0 if an impossible cell occurs.
+
+    Cells expecting fewer than 5 observations are pooled into one.
+    """
+    probs = probs.ravel()
+    counts = np.bincount(samples, minlength=probs.size).astype(np.float64)
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    n = counts.sum()
+    obs, exp = counts[probs > 0], probs[probs > 0] * n
+    small = exp < 5
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    if obs.size < 2:
+        return 1.0
+    try:
+        from scipy.stats import chisquare
+    except ImportError:
+        stat = float(((obs - exp) ** 2 / exp).sum())
+        return chi2_sf(stat, obs.size - 1)
+    return float(chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue)
