@@ -14,7 +14,7 @@ class DFlashFactory(DrafterFactory):
     architecture = "DFlashDraftModel"
 
     def describe(self, config, target, backend):
-        from speculant.drafters.dflash.config import check_tensors, parse_config
+        from speculant.drafters.dflash.config import parse_config
 
         if config.path is None:
             return None, [Problem("drafter.path", "the dflash drafter needs a checkpoint folder", "set drafter.path")]
@@ -25,8 +25,13 @@ class DFlashFactory(DrafterFactory):
             other = "dflash2" if cfg.is_dflash2 else "dflash"
             return None, [Problem("drafter.kind", f"{config.path} is a {cfg.architecture} checkpoint",
                                   f"set drafter.kind = '{other}'")]
-        problems = check_tensors(config.path, cfg, self.expected_tensors(cfg))
-        return self.info(cfg), problems
+        return self.info(cfg), self.check_tensors(config.path, cfg)
+
+    def check_tensors(self, path, cfg) -> list[Problem]:
+        """Problems with the safetensors headers (names, shapes) against the expected layout."""
+        from speculant.drafters.dflash.config import check_tensors
+
+        return check_tensors(path, cfg, self.expected_tensors(cfg))
 
     def expected_tensors(self, cfg):
         from speculant.drafters.dflash.config import expected_tensors

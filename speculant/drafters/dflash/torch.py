@@ -129,13 +129,15 @@ class DecoderLayer(nn.Module):
 class DFlashModel(nn.Module):
     """The draft network; tensor names match the published checkpoints."""
 
+    layer_class: type[nn.Module] = DecoderLayer  # DFlash2 swaps in layers with convolutions
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
 

@@ -1,0 +1,133 @@
+"""DFlash2 on PyTorch: the DFlash v1 network plus grouped dynamic convolutions around both
+sublayers of every layer and the candidate selector; the Drafter walks the selector on the host.
+
+Tensor names match the published checkpoints (the codebooks are plain parameters named
+``candidate_selector.{predecessor,successor}_codebook``, as on disk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from speculant.core.types import Draft, DraftRequest
+from speculant.drafters.dflash.config import DFlashConfig
+from speculant.drafters.dflash.torch import DecoderLayer, DFlashModel, TorchDFlashDrafter
+from speculant.drafters.dflash2.selector import ScoreTable, walk
+
+
+class GroupedDynamicConv(nn.Module):
+    """Two-sided depthwise convolution over the block with per-(row, group) dynamic taps.
+
+    ``base_kernel[side, tap, channel]``; ``kernel_projection`` maps the normalised sublayer
+    input to ``[side, tap, group]`` corrections shared by the ``group_size`` channels of a
+    group. Side 0 convolves the sublayer input (:meth:`prepare`), side 1 its output
+    (:meth:`finish`), both with corrections predicted from the input. Tap j reads the row j
+    places earlier in the block; rows before the anchor are zeros, so nothing crosses the
+    block boundary and no state carries across rounds.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        base = torch.zeros(2, kernel_size, hidden_size)
+        base[:, 0] = 1.0  # identity: tap 0 passes the row through
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Side-0 convolution of ``x`` [n, H]; returns it and the side-1 taps [n, K, G]."""
+        dynamic = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, self.groups)
+        return self._convolve(x, dynamic[:, 0], self.base_kernel[0]), dynamic[:, 1]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        """Side-1 convolution of the sublayer output with the taps from :meth:`prepare`."""
+        return self._convolve(y, dynamic, self.base_kernel[1])
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        # Same accumulation order as the reference (base term, then the correction), so float32
+        # results match it bit for bit; rows before the anchor contribute exact zeros, skipped.
+        n = x.shape[0]
+        rows = x.view(n, self.groups, self.group_size)
+        kernel = base.to(x.dtype).view(self.kernel_size, self.groups, self.group_size)
+        out = torch.addcmul(kernel[0] * rows, dynamic[:, 0, :, None], rows)
+        for tap in range(1, min(self.kernel_size, n)):
+            earlier = rows[: n - tap]
+            out[tap:] = torch.addcmul(out[tap:] + kernel[tap] * earlier, dynamic[tap:, tap, :, None], earlier)
+        return out.view_as(x)
+
+
+class DFlash2DecoderLayer(DecoderLayer):
+    """A DFlash v1 layer with a convolution around attention and one around the MLP."""
+
+    def __init__(self, cfg: DFlashConfig, index: int) -> None:
+        super().__init__(cfg, index)
+        H, K, group = cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size
+        self.attention_conv = GroupedDynamicConv(H, K, group)
+        self.mlp_conv = GroupedDynamicConv(H, K, group)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        a, taps = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(a, cos, sin, ctx_k, ctx_v, mask), taps)
+        m, taps = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(m), taps)
+
+
+class CandidateSelector(nn.Module):
+    """Top-K candidates per row plus a low-rank, hidden-gated bigram score between rows."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        rank = cfg.selector_rank
+        self.top_k = cfg.selector_top_k
+        self.hidden_projection = nn.Linear(cfg.hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, rank))
+
+    def score_table(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores (flat float32: row 0 [K], then [k-1, K, K]) and candidate ids [k, K].
+
+        ``hidden`` [k, H] are the final-normed draft rows, ``logits`` [k, V] their processed
+        float32 logits. Everything after the hidden projection is float32.
+        """
+        unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)
+        gate = self.hidden_projection(hidden).float()  # z_t [k, r]
+        successors = self.successor_codebook[candidates].float()  # B[C_t] [k, K, r]
+        anchor = self.predecessor_codebook[anchor_id].float()  # A[anchor] [r]
+        first = unary[0] + successors[0] @ (anchor * gate[0])
+        predecessors = self.predecessor_codebook[candidates[:-1]].float() * gate[1:, None, :]  # [k-1, K, r]
+        pairs = unary[1:, None, :] + predecessors @ successors[1:].transpose(1, 2)
+        return torch.cat([first, pairs.reshape(-1)]), candidates
+
+
+class DFlash2Model(DFlashModel):
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__(cfg)
+        self.candidate_selector = CandidateSelector(cfg)
+
+
+class TorchDFlash2Drafter(TorchDFlashDrafter):
+    """DFlash2 proposals: one device-to-host copy of the score table per round, then the
+    walk on the host. Greedy rounds give a one-hot draft; sampled rounds a sparse draft
+    (q [k, K] over candidate ids [k, K]). ``confidence`` = the walk's probability of each
+    chosen token (temperature 1 when greedy); it comes with the table, at no extra sync."""
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Draft:
+        k = request.num_tokens
+        hidden = self._hidden(request)
+        selector = self.model.candidate_selector
+        scores, candidates = selector.score_table(hidden, self.logits(hidden), request.anchor_id)
+        flat = torch.cat([scores, candidates.reshape(-1).float()]).cpu().numpy()
+        table = ScoreTable.from_flat(flat, k, selector.top_k)
+        path = walk(table, request.sampling, request.rng)
+        device = candidates.device
+        tokens = torch.as_tensor(np.asarray(path.token_ids, dtype=np.int64), device=device)
+        if path.q is None:
+            return Draft(tokens, k, confidence=path.confidence)
+        return Draft(tokens, k, draft_probs=torch.from_numpy(path.q).to(device), candidate_ids=candidates,
+                     confidence=path.confidence)
