@@ -14,7 +14,7 @@ from speculant.core.errors import ContextTooLongError, GenerationError, Validati
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
-from speculant.core.types import Capture, Chunk, Draft, DraftRequest, SamplingParams
+from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, SamplingParams
 from speculant.core.validator import Report, validate
 
 
@@ -188,6 +188,9 @@ class _Loop:
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._finished = False
+        limit = engine.verifier.max_context  # from this context on the request decodes plainly
+        self.limit = limit
+        self.speculating = engine.drafter is not None and (limit is None or len(prompt_ids) < limit)
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
@@ -203,21 +206,20 @@ class _Loop:
 
     def cycles(self) -> Iterator[list[int]]:
         e = self.e
-        capture = e.drafter.info.capture if e.drafter is not None else Capture()
         e.backend.reset_peak_memory()
         e.target.reset()
         e.verifier.begin(len(self.prompt_ids))
         try:
-            out = self._timed_target(lambda: e.target.prefill(self.prompt_ids, capture))
+            out, _ = self._timed_target(lambda: e.target.prefill(self.prompt_ids, self.capture))
             first = self._verify(None, out.logits[-1:]).token_ids
             self._t_first = time.perf_counter()
-            if e.drafter is not None:
+            if self.speculating:
                 self._timed_draft(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]))
             new = self._emit(first)
             yield new
             position = len(self.prompt_ids)
             while self._stop_reason is None:
-                new = self._cycle(position, new[-1] if new else self.produced[-1], capture)
+                new = self._cycle(position, new[-1] if new else self.produced[-1])
                 position += len(new)
                 yield new
         except KeyboardInterrupt:
@@ -227,28 +229,37 @@ class _Loop:
             exc.token_ids = list(self.produced)
             raise
 
-    def _cycle(self, position: int, anchor: int, capture: Capture) -> list[int]:
+    @property
+    def capture(self) -> Capture:
+        return self.e.drafter.info.capture if self.speculating else Capture()
+
+    def _cycle(self, position: int, anchor: int) -> list[int]:
         e = self.e
+        if self.speculating and self.limit is not None and position >= self.limit:
+            self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
         remaining = self.max_new - len(self.produced)
         k = min(self.block - 1, remaining - 1)
         if self.window is not None:
             k = min(k, self.window - position - 1)
         draft: Draft | None = None
-        if e.drafter is not None and k > 0:
+        draft_s = commit_s = 0.0
+        if self.speculating and k > 0 and e.verifier.wants_draft(k, position):
             request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
-            draft = self._timed_draft(lambda: e.drafter.propose(request))
+            draft, draft_s = self._timed_draft(lambda: e.drafter.propose(request))
+        drafted = 0 if draft is None else draft.num_tokens
         n = e.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
         anchor_arr = e.backend.int_array([anchor])
         block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
-        out = self._timed_target(lambda: e.target.forward(block, capture))
+        capture = self.capture
+        out, target_s = self._timed_target(lambda: e.target.forward(block, capture))
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
         e.target.crop(position + accepted + 1)
-        if e.drafter is not None:
-            self._timed_draft(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids))
-        e.verifier.observe(verification, n)
+        if self.speculating:
+            _, commit_s = self._timed_draft(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids))
+        e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s))
         new = self._emit(verification.token_ids)
         self.stats.record_cycle(n, accepted, len(new))
         return new
@@ -274,19 +285,22 @@ class _Loop:
         return new
 
     def _timed_target(self, fn):
+        """``(fn(), seconds)``; decode-time seconds also go to ``stats.target_s``."""
         t = time.perf_counter()
         result = fn()
         self.e.backend.synchronize()
-        self.stats.target_s += time.perf_counter() - t if self._t_first is not None else 0.0
-        return result
+        elapsed = time.perf_counter() - t
+        self.stats.target_s += elapsed if self._t_first is not None else 0.0
+        return result, elapsed
 
     def _timed_draft(self, fn):
         t = time.perf_counter()
         result = fn()
         self.e.backend.synchronize()
+        elapsed = time.perf_counter() - t
         if self._t_first is not None:
-            self.stats.draft_s += time.perf_counter() - t
-        return result
+            self.stats.draft_s += elapsed
+        return result, elapsed
 
     def finish(self) -> None:
         if self._finished:

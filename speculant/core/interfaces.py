@@ -13,6 +13,7 @@ from speculant.core.arrays import ArrayOps
 from speculant.core.types import (
     Array,
     Capture,
+    CycleTiming,
     Draft,
     DrafterInfo,
     DraftRequest,
@@ -153,12 +154,20 @@ class Verifier(ABC):
     accepts: ClassVar[tuple[ProposalKind, ...]] = (ProposalKind.ONE_HOT,)
     supports_sampling: ClassVar[bool] = False
     options_model: ClassVar[type["BaseModel"] | None] = None
+    # Context length from which a request decodes plainly: the engine stops drafting,
+    # capturing hidden states and committing to the drafter (None = no limit).
+    max_context: int | None = None
 
     def __init__(self, options: dict | None = None) -> None:
         self.options = options or {}
 
     def begin(self, context_length: int) -> None:
         """A new sequence starts (policies reset per-request state here)."""
+
+    def wants_draft(self, max_tokens: int, context_length: int) -> bool:
+        """Whether to call the drafter this cycle; False makes it a plain target step and
+        saves the draft cost. Called before drafting, so it may read only past statistics."""
+        return True
 
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         """How many drafted tokens to submit this cycle (0 = plain target step).
@@ -179,8 +188,8 @@ class Verifier(ABC):
     ) -> Verification:
         """Verify ``draft`` (k tokens, or None) against ``target_logits`` [k+1, V]."""
 
-    def observe(self, verification: Verification, submitted: int) -> None:
-        """Learn from a finished cycle (for adaptive policies)."""
+    def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
+        """Learn from a finished cycle (for adaptive policies); ``timing`` is what it cost."""
 
     def decisions(self) -> dict:
         """Per-generation record of what this verifier decided (for stats)."""

@@ -78,6 +78,26 @@ class Verification:
 
 
 @dataclass(frozen=True)
+class CycleTiming:
+    """Measured wall time of one decode cycle's parts, for cost-aware verifiers.
+
+    ``context_length``: positions in the target cache before the cycle's forward.
+    ``submitted``: drafted tokens in the target forward (its width is ``submitted + 1``).
+    ``drafted``: tokens the drafter proposed (0 when the cycle did not draft).
+    Seconds are measured after the backend synchronises: ``target_s`` for the target
+    forward, ``draft_s`` for ``Drafter.propose`` (0 when not called), ``commit_s`` for
+    ``Drafter.commit`` (0 without a drafter).
+    """
+
+    context_length: int
+    submitted: int
+    drafted: int
+    target_s: float
+    draft_s: float = 0.0
+    commit_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Capture:
     """Which target hidden states a forward must return besides logits.
 

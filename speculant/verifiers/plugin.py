@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from speculant.plugins.hookspecs import hookimpl
+from speculant.verifiers.adaptive import AdaptiveVerifier
 from speculant.verifiers.greedy import GreedyVerifier
 from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
@@ -11,3 +12,4 @@ from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 def register_verifiers(register):
     register(GreedyVerifier)
     register(SpeculativeSamplingVerifier)
+    register(AdaptiveVerifier)
