@@ -1,0 +1,123 @@
+"""The adaptive verifier: picks the verify width per cycle, falls back to plain decoding when
+speculation does not pay on this machine, and stays lossless.
+
+Acceptance is delegated unchanged to the shared rules in :mod:`speculant.verifiers.acceptance`
+(the greedy rule at temperature 0, speculative sampling otherwise). What this verifier adds is
+*how many* drafted tokens go to the target, chosen by :class:`AdaptivePolicy` from draft-side
+information and finished cycles only, before the target forward runs. The number verified is
+therefore a stopping time independent of the cycle's acceptance draws, and every emitted token
+keeps the target's distribution (greedy outputs are token-for-token those of plain decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from speculant.core.arrays import Array, ArrayOps
+from speculant.core.interfaces import Verifier
+from speculant.core.types import CycleTiming, Draft, ProposalKind, SamplingParams, Verification
+from speculant.verifiers.acceptance import speculative_verify
+from speculant.verifiers.adaptive_policy import AdaptiveOptions, AdaptivePolicy
+
+
+class AdaptiveVerifier(Verifier):
+    """Greedy / speculative-sampling verification with a per-cycle width from a measured cost model.
+
+    Options (``verifier.options``) are :class:`AdaptiveOptions`; ``max_context`` makes every
+    request decode plainly from that context length on. ``decisions()`` (``stats.verifier``)
+    lists the drafts submitted per cycle (``widths``; 0 = plain target step), what each cycle
+    was (``actions``), fallback cycles by reason, mode switches with the rates behind them, and
+    the final acceptance and cost estimates.
+    """
+
+    name = "adaptive"
+    accepts = (ProposalKind.ONE_HOT, ProposalKind.DENSE, ProposalKind.SPARSE)
+    supports_sampling = True
+    options_model = AdaptiveOptions
+
+    def __init__(self, options: dict | None = None) -> None:
+        super().__init__(options)
+        self.settings = AdaptiveOptions.model_validate(self.options)
+        self.max_context = self.settings.max_context
+        self.policy = AdaptivePolicy(self.settings)
+        self._verify_s = 0.0
+        self.begin(0)
+
+    # -- the engine's hooks, in cycle order --------------------------------------------------
+    def begin(self, context_length: int) -> None:
+        self.policy.begin()
+        self.widths: list[int] = []
+        self.actions: list[str] = []
+        limit = self.max_context
+        self.plain_from_context = context_length if limit is not None and context_length >= limit else None
+
+    def wants_draft(self, max_tokens: int, context_length: int) -> bool:
+        return self.policy.wants_draft(max_tokens, context_length)
+
+    def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
+        if draft is None:
+            return 0
+        confidence = host_confidence(draft.confidence)
+        return self.policy.plan(draft.num_tokens, max_tokens, context_length, confidence)
+
+    def verify(
+        self,
+        ops: ArrayOps,
+        draft: Draft | None,
+        target_logits: Array,
+        sampling: SamplingParams,
+        rng: Any,
+    ) -> Verification:
+        start = time.perf_counter()
+        verification = speculative_verify(ops, draft, target_logits, sampling, rng)
+        self._verify_s = time.perf_counter() - start
+        return verification
+
+    def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
+        action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s)
+        self.widths.append(submitted)
+        self.actions.append(action)
+        limit = self.max_context
+        if limit is not None and self.plain_from_context is None and timing is not None and timing.context_length >= limit:
+            self.plain_from_context = timing.context_length
+
+    # -- stats -------------------------------------------------------------------------------
+    def decisions(self) -> dict:
+        p = self.policy
+        fallback = Counter(a.split(":", 1)[1] for a in self.actions if a.startswith("plain:"))
+        k = max(self.widths, default=0) or p.k
+        return {
+            "policy": "adaptive",
+            "widths": list(self.widths),
+            "actions": list(self.actions),
+            "speculative_cycles": sum(1 for w in self.widths if w > 0),
+            "probe_cycles": self.actions.count("probe"),
+            "fallback_cycles": dict(fallback),
+            "events": list(p.events),
+            "mode": p.mode,
+            "next_probe_in": p.countdown if p.mode == "fallback" else None,
+            "max_context": self.max_context,
+            "plain_from_context": self.plain_from_context,
+            "acceptance": p.acceptance.snapshot(k),
+            "cost": p.costs.snapshot(k + 1, p.context_length),
+        }
+
+
+def host_confidence(confidence: Any) -> list[float | None] | None:
+    """Draft confidences as host floats: a list, a NumPy array or a backend array (``tolist``)."""
+    if confidence is None:
+        return None
+    values = confidence.tolist() if hasattr(confidence, "tolist") else list(confidence)
+    if not isinstance(values, list):  # a 0-d array
+        values = [values]
+    out: list[float | None] = []
+    for v in values:
+        while isinstance(v, (list, tuple)) and len(v) == 1:
+            v = v[0]
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            out.append(None)
+    return out

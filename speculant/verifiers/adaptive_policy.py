@@ -1,0 +1,368 @@
+"""The adaptive verifier's policy: how many drafted tokens to submit each cycle.
+
+With a_j the conditional acceptance of block position j, submitting n drafts commits
+``E(n) = 1 + sum_{j<=n} prod_{i<=j} a_i`` tokens on average, in ``D + T(n+1) + R`` seconds
+(draft, target forward of width n + 1, drafter commit + verification); a plain step commits
+one token in ``T(1) + R``. The policy keeps the long-run rate rho = max(plain rate, best
+speculative rate) from history, and each cycle
+
+- before drafting (``wants_draft``): falls back to plain steps, skipping the draft cost, when
+  the best speculative rate is below the plain rate by more than ``hysteresis``;
+- after drafting (``plan``): submits the n maximising ``E_c(n) - rho * T(n+1)``, where E_c uses
+  this cycle's draft confidences. This is the renewal-reward (Dinkelbach) form of maximising
+  tokens per second: the draft time already spent cancels, and without confidence it picks
+  the same n as the rate comparison.
+
+Fallback is decided for a full block (a short last cycle of a request only skips its draft).
+It is never final: after an interval of plain cycles a probe submits one draft (or as many as
+cost no more than one), up to ``probe_cycles`` times until the first draft passes; then the
+next cycle submits the full width, and if a probe cycle beat plain decoding in tokens per
+second, speculation resumes. A failed probe doubles the interval, from ``probe_interval`` up
+to ``max_probe_interval`` and never below what keeps failing probes within ``probe_budget`` of
+plain-decoding time; every new request probes within ``probe_interval`` cycles
+(``probe_each_request``). While
+speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
+is close to competitive, and every 8 cycles while the plain-step cost at this context length
+rests on fewer than three samples. The first cycles of a policy's life are a warm-up: one full-width
+cycle and one plain step, so both ends of the cost curve are measured here.
+
+Every input is draft-side (this cycle's confidences) or from finished cycles (acceptance,
+timings): nothing here can see the target output of the cycle being decided.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_tokens
+from speculant.verifiers.adaptive_cost import CostModel, RunningMean
+
+TRUSTED = RunningMean.TRUSTED
+REFRESH_SOON = 8  # speculative cycles between plain steps while the plain-step cost is uncertain
+
+
+class AdaptiveOptions(BaseModel):
+    """``verifier.options`` of the ``adaptive`` verifier."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_context: int | None = Field(None, ge=1, description="from this context length on, decode plainly (per request)")
+    hysteresis: float = Field(0.05, ge=0.0, lt=1.0, description="fall back only when plain is this much faster")
+    acceptance_decay: float = Field(0.95, gt=0.0, lt=1.0, description="per-cycle forgetting of acceptance counts")
+    prior_acceptance: float = Field(0.5, gt=0.0, lt=1.0)
+    prior_weight: float = Field(1.0, gt=0.0)
+    use_confidence: bool = True
+    probe_budget: float = Field(0.02, gt=0.0, le=1.0, description="share of plain-decoding time re-probes may cost")
+    probe_interval: int = Field(8, ge=1, description="fewest plain cycles between re-probes")
+    max_probe_interval: int = Field(512, ge=1, description="most plain cycles between re-probes")
+    probe_cycles: int = Field(2, ge=1, description="narrow probe cycles before a probe counts as failed")
+    probe_each_request: bool = Field(True, description="probe at the start of every request while in fallback")
+    refresh_interval: int = Field(64, ge=1, description="speculative cycles between plain-step re-measurements")
+    request_carryover: float = Field(0.5, ge=0.0, le=1.0, description="share of acceptance evidence a new request keeps")
+    warmup: bool = True
+    explore_every: int = Field(16, ge=0, description="every n-th speculative cycle verifies a near-best width instead (0 = never)")
+    cost_alpha: float = Field(0.2, gt=0.0, le=1.0, description="weight of a new timing sample")
+    cost_table: list[float] | None = Field(None, min_length=1, description="fixed target cost per width 1, 2, ... (any unit)")
+    draft_cost: float | None = Field(None, ge=0.0, description="fixed draft cost, same unit as cost_table")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AdaptiveOptions":
+        if self.max_probe_interval < self.probe_interval:
+            raise ValueError("max_probe_interval must be at least probe_interval")
+        if self.cost_table is not None and any(not c > 0 for c in self.cost_table):
+            raise ValueError("cost_table entries must be positive")
+        if self.draft_cost is not None and self.cost_table is None:
+            raise ValueError("draft_cost needs cost_table (both are in the table's unit)")
+        return self
+
+
+@dataclass(frozen=True)
+class Estimate:
+    plain_rate: float  # tokens per second of plain steps
+    spec_rate: float  # best tokens per second when speculating, from history alone
+    spec_width: int  # the n giving spec_rate
+
+
+class AdaptivePolicy:
+    def __init__(self, options: AdaptiveOptions) -> None:
+        o = self.o = options
+        self.costs = CostModel(o.cost_alpha, o.cost_table, 0.0 if o.cost_table and o.draft_cost is None else o.draft_cost)
+        self.acceptance = AcceptanceModel(o.acceptance_decay, o.prior_acceptance, o.prior_weight)
+        self.mode = "warmup" if o.warmup and o.cost_table is None else "speculate"
+        self.warmup_steps = ["probe", "plain:warmup"]
+        self.interval = o.probe_interval
+        self.countdown = 0
+        self.probe_stage = "narrow"  # a probe submits one draft first, the full width if it passed
+        self.probe_tries = 0
+        self.since_plain = 0
+        self.speculated = 0  # speculative decisions made (schedules exploration)
+        self.rate = 0.0
+        self.action: str | None = None
+        self.confidence: list[float | None] | None = None
+        self.predicted = [1.0]  # distribution of tokens this cycle's plan expected
+        self.drift = DriftDetector()
+        self.k = 1  # drafts allowed this cycle
+        self.k_block = 1  # drafts a full block allows (the largest k seen)
+        self.context_length = 0
+        self.cycle = 0  # cycles of the current request
+        self.events: list[dict] = []
+
+    # -- per cycle ---------------------------------------------------------------------------
+    def wants_draft(self, max_tokens: int, context_length: int) -> bool:
+        self.k, self.context_length = max(1, max_tokens), context_length
+        self.k_block = max(self.k_block, self.k)
+        if self.o.max_context is not None and context_length >= self.o.max_context:
+            return self._plain("plain:max_context")
+        if self.mode == "warmup":
+            self.action = self.warmup_steps[0]
+            return self.action == "probe"
+        if self.mode == "probe":
+            self.action = "probe"
+            return True
+        if self.mode == "fallback":
+            self.countdown -= 1
+            if self.countdown > 0:
+                return self._plain("plain:cost")
+            self.mode, self.probe_stage, self.probe_tries, self.action = "probe", "narrow", 0, "probe"
+            return True
+        est = self.estimate(self.k_block, context_length)  # is speculation worth it at all?
+        if est.spec_rate < est.plain_rate * (1.0 - self.o.hysteresis):
+            self.mode, self.countdown = "fallback", self.o.probe_interval  # first re-check soon
+            self.interval = self.o.probe_interval
+            self._event("fallback", f"plain {est.plain_rate:.1f} tok/s beats speculative {est.spec_rate:.1f} tok/s", est)
+            return self._plain("plain:cost")
+        if self.k < self.k_block:  # end of the request: fewer drafts allowed this cycle
+            est = self.estimate(self.k, context_length)
+            if est.spec_rate < est.plain_rate:
+                return self._plain("plain:short")
+        self.rate = max(est.plain_rate, est.spec_rate)
+        if self.costs.table is None and self.since_plain >= REFRESH_SOON and self.costs.measured(1, context_length) < TRUSTED:
+            return self._plain("plain:refresh")  # the plain-step cost here rests on too few samples
+        if self.since_plain >= self.o.refresh_interval and est.plain_rate >= 0.75 * est.spec_rate:
+            return self._plain("plain:refresh")
+        self.action = "speculate"
+        return True
+
+    def plan(self, num_drafted: int, max_tokens: int, context_length: int, confidence: Sequence[float | None] | None) -> int:
+        k = max(0, min(num_drafted, max_tokens))
+        if self.action is None:  # the engine did not ask wants_draft (no such hook): decide now
+            self.wants_draft(max_tokens, context_length)
+        if self.action == "probe" or k == 0:
+            n = self._narrow_width(k, context_length) if self.mode == "probe" and self.probe_stage == "narrow" else k
+            self.confidence = list(confidence[:n]) if confidence else None
+            self.predicted = token_distribution(self.acceptance.position_rates(n))
+            return n
+        if self.action != "speculate":  # a plain decision stands even if a draft was made
+            return 0
+        self.confidence = list(confidence[:k]) if confidence and self.o.use_confidence else None
+        probs = self.acceptance.rates(k, self.confidence)
+        gains = expected_tokens(probs)
+        self.speculated += 1
+        explore = self.o.explore_every and self.speculated % self.o.explore_every == 0
+        best = best_width(gains, self.costs.target_s(k + 1, context_length), self.rate, explore=explore)
+        self.predicted = token_distribution(probs[:best])
+        if best == 0:
+            self.action = "plain:confidence"
+        return best
+
+    def observe(self, submitted: int, accepted: int, timing, verify_s: float) -> str:
+        """Learn from the finished cycle; returns what this cycle was (for the decision log)."""
+        action = self.action or "plain:short"
+        self.action = None
+        self.cycle += 1
+        cycle_s = 0.0
+        if timing is not None:
+            self.costs.add_target(submitted + 1, timing.context_length, timing.target_s)
+            if timing.drafted:
+                self.costs.add_draft(timing.draft_s)
+            self.costs.add_rest(timing.commit_s + verify_s)
+            self.context_length = timing.context_length
+            cycle_s = timing.target_s + timing.draft_s + timing.commit_s + verify_s
+        if submitted:
+            self.acceptance.observe(submitted, accepted, self.confidence)
+            change = self.drift.update(accepted + 1, self.predicted)
+            if change:
+                self.acceptance.reset_to(self.drift.last_realized, submitted)
+                self._event(self.mode, f"acceptance {change}: {self.drift.last_realized:.2f} tokens per cycle where "
+                            f"{self.drift.last_predicted:.2f} were expected; history replaced by the recent level", None)
+        self.confidence = None
+        self.acceptance.tick()
+        self.since_plain = 0 if submitted == 0 else self.since_plain + 1
+        if action in ("plain:short", "plain:max_context"):
+            return action
+        if self.mode == "warmup":
+            self.warmup_steps.pop(0)
+            if not self.warmup_steps:
+                self.mode = "speculate"
+        elif self.mode == "probe":
+            self._after_probe(submitted, accepted, cycle_s)
+        return action
+
+    def _narrow_width(self, k: int, context_length: int) -> int:
+        """The widest first probe that costs no more than one draft (within 10 %)."""
+        costs = self.costs.target_s(k + 1, context_length)
+        limit = 1.1 * costs[1] if k >= 1 else 0.0
+        return max([n for n in range(1, k + 1) if costs[n] <= limit], default=min(1, k))
+
+    def _after_probe(self, submitted: int, accepted: int, cycle_s: float) -> None:
+        """A probe cycle that beat plain decoding (its own tokens per second) resumes
+        speculation; a narrow one whose first draft passed escalates to a full-width probe;
+        any other outcome waits twice as long (at least the budget interval) for the next."""
+        est = self.estimate(self.k_block, self.context_length)
+        timed = self.costs.table is None and cycle_s > 0.0
+        rate = (accepted + 1) / cycle_s if timed else est.spec_rate
+        if rate >= est.plain_rate:
+            self.mode = "speculate"
+            self._event("speculate", f"probe: {rate:.1f} tok/s >= plain {est.plain_rate:.1f} tok/s", est)
+            return
+        if self.probe_stage == "narrow" and submitted < self.k:
+            self.probe_tries += 1
+            if accepted >= 1:
+                self.probe_stage = "full"
+                return
+            if self.probe_tries < self.o.probe_cycles:  # the anchor may just have been a bad one
+                return
+        self.interval = min(max(2 * self.interval, self.min_interval()), self.o.max_probe_interval)
+        self.mode, self.countdown = "fallback", self.interval
+        what = f"first draft rejected {self.probe_tries} times" if accepted == 0 else f"{rate:.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
+        self._event("fallback", f"probe: {what}; next probe in {self.interval} cycles", est)
+
+    # -- estimates ---------------------------------------------------------------------------
+    def estimate(self, k: int, context_length: int) -> Estimate:
+        """Plain and best speculative tokens per second from history alone (no confidence)."""
+        costs = self.costs.target_s(k + 1, context_length)
+        rest = self.costs.rest_s()
+        gains = expected_tokens(self.acceptance.position_rates(k))
+        rate, n = best_rate(gains, costs, self.costs.draft_s(), rest)
+        return Estimate(1.0 / max(costs[0] + rest, 1e-12), rate, n)
+
+    def min_interval(self) -> int:
+        """Plain cycles between probes so that failing (narrow) probes cost ``probe_budget`` of
+        plain-decoding time."""
+        costs = self.costs.target_s(2, self.context_length)
+        plain = costs[0] + self.costs.rest_s()
+        extra = self.o.probe_cycles * max(0.0, self.costs.draft_s() + costs[1] - costs[0])
+        cycles = math.ceil(extra / (self.o.probe_budget * plain)) if plain > 0 else self.o.probe_interval
+        return min(max(cycles, self.o.probe_interval), self.o.max_probe_interval)
+
+    def begin(self) -> None:
+        self.events = []
+        self.action = None
+        self.cycle = 0
+        self.acceptance.forget(self.o.request_carryover)
+        self.drift.reset()
+        if self.mode == "fallback" and self.o.probe_each_request:  # a new request may be easier;
+            self.countdown = min(self.countdown, self.o.probe_interval)  # its first tokens are atypical
+
+    def _plain(self, reason: str) -> bool:
+        self.action = reason
+        return False
+
+    def _event(self, mode: str, reason: str, est: Estimate | None) -> None:
+        event = {"cycle": self.cycle, "mode": mode, "reason": reason, "context_length": self.context_length}
+        if est is not None:
+            event.update(plain_tok_s=round(est.plain_rate, 2), speculative_tok_s=round(est.spec_rate, 2), best_width=est.spec_width)
+        self.events.append(event)
+
+
+class DriftDetector:
+    """Notices when the realized tokens per cycle leave what the model predicted.
+
+    Smoothed acceptance reacts slowly when many positions add up (a full block that stops being
+    accepted still predicts many tokens for a while). Over the last ``WINDOW`` speculative
+    cycles it screens the realized total against the model's mean and variance (more than
+    ``Z`` standard deviations and half a token per cycle away), then compares the likelihood of the
+    window under the model's per-cycle predictions with its likelihood under the best constant
+    conditional acceptance rate; a ratio below ``RATIO`` is a change, and ``last_realized``
+    (the window's median) the new level.
+    """
+
+    WINDOW = 4
+    Z = 3.0
+    RATIO = 1e-4
+    GRID = [i / 20 for i in range(21)]
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.window: list[tuple[int, list[float], float, float]] = []
+        self.last_realized = self.last_predicted = 0.0
+
+    def update(self, realized: int, pmf: list[float]) -> str | None:
+        """``pmf[t - 1]`` = P(t tokens) predicted for this cycle; ``realized`` tokens came."""
+        self.window = self.window[1 - self.WINDOW:] + [(realized, pmf, *moments(pmf))]
+        if len(self.window) < self.WINDOW:
+            return None
+        diff = sum(r - mean for r, _, mean, _ in self.window)
+        var = sum(v for _, _, _, v in self.window)
+        if abs(diff) <= max(self.Z * math.sqrt(var), 0.5 * self.WINDOW):
+            return None
+        model = math.fsum(math.log(max(q[r - 1], 1e-300)) for r, q, _, _ in self.window)
+        best = max(
+            math.fsum(math.log(max(token_distribution([a] * (len(q) - 1))[r - 1], 1e-300)) for r, q, _, _ in self.window)
+            for a in self.GRID
+        )
+        if model - best >= math.log(self.RATIO):
+            return None
+        realized_level = sorted(r for r, _, _, _ in self.window)[self.WINDOW // 2]
+        predicted = sum(mean for _, _, mean, _ in self.window) / self.WINDOW
+        self.reset()
+        self.last_realized, self.last_predicted = float(realized_level), predicted
+        return "dropped" if diff < 0 else "rose"
+
+
+def token_distribution(probs: Sequence[float]) -> list[float]:
+    """P(t tokens committed), t = 1..n+1, when submitting n = len(probs) drafts with
+    conditional acceptance ``probs``: P(t) = S_{t-1} - S_t (S_0 = 1, S_{n+1} = 0)."""
+    out, survive = [], 1.0
+    for p in probs:
+        out.append(survive * (1.0 - p))
+        survive *= p
+    out.append(survive)
+    return out
+
+
+def moments(pmf: Sequence[float]) -> tuple[float, float]:
+    mean = sum(t * q for t, q in enumerate(pmf, start=1))
+    square = sum(t * t * q for t, q in enumerate(pmf, start=1))
+    return mean, max(square - mean * mean, 0.0)
+
+
+def best_rate(gains: Sequence[float], costs: Sequence[float], draft: float, rest: float) -> tuple[float, int]:
+    """The best speculative tokens per second and its n >= 1: max_n E(n) / (D + T(n+1) + R).
+
+    ``gains[n]`` = E(n), ``costs[n]`` = T(n+1); ties go to the smaller n.
+    """
+    best, best_n = 0.0, 0
+    for n in range(1, len(gains)):
+        rate = gains[n] / max(draft + costs[n] + rest, 1e-12)
+        if rate > best * (1.0 + 1e-12):
+            best, best_n = rate, n
+    return best, best_n
+
+
+def best_width(gains: Sequence[float], costs: Sequence[float], rate: float, explore: bool = False) -> int:
+    """The n in 0..k maximising E(n) - rate * T(n+1) (ties go to the smaller n).
+
+    With ``explore``, the runner-up instead when its value is within ``EXPLORE_MARGIN`` tokens
+    of the best (so near-equal widths keep being measured, and one unlucky timing sample
+    cannot hide a width for good).
+    """
+    values = [g - rate * c for g, c in zip(gains, costs)]
+    best = 0
+    for n in range(1, len(values)):
+        if values[n] > values[best] + 1e-12 * max(1.0, abs(values[best])):
+            best = n
+    if explore and len(values) > 1:
+        runner = max((n for n in range(len(values)) if n != best), key=lambda n: (values[n], -n))
+        if runner > 0 and values[runner] >= values[best] - EXPLORE_MARGIN * gains[best]:
+            return runner
+    return best
+
+
+EXPLORE_MARGIN = 0.05

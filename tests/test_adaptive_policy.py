@@ -1,0 +1,348 @@
+"""The adaptive verifier's policy on hand-built cost tables and acceptance histories.
+
+``drive`` calls the verifier's hooks in the engine's order (wants_draft, plan, observe) with
+timings taken from a hand-built table of seconds per verify width and acceptance outcomes from
+a scripted process, so every decision can be checked against the analytic optimum.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from speculant.core.types import CycleTiming, Draft, Verification
+from speculant.verifiers.adaptive import AdaptiveVerifier, host_confidence
+from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_tokens
+from speculant.verifiers.adaptive_cost import CostModel, context_bucket
+from speculant.verifiers.adaptive_policy import best_rate, best_width
+
+K = 15
+FLAT = [1e-3 * (1.0 + 0.01 * w) for w in range(K + 1)]  # seconds for width w + 1
+STAIRS = [1e-3 * (1 + w // 4) for w in range(K + 1)]  # widths 1-4: 1 ms, 5-8: 2 ms, 9-12: 3 ms, 13-16: 4 ms
+
+
+def drive(verifier, cycles, accept, costs, draft_s=0.3e-3, k=K, confidence=None, start=100, noise=0.0, seed=0):
+    """Run ``cycles`` cycles; ``accept(cycle, n, confidences)`` -> accepted count. Returns widths."""
+    rng = np.random.default_rng(seed)
+    widths = []
+    for c in range(cycles):
+        ctx = start + c
+        conf = confidence(c) if confidence else None
+        if verifier.wants_draft(k, ctx):
+            n = verifier.plan(Draft(np.zeros(k, dtype=np.int64), k, confidence=conf), k, ctx)
+            drafted = k
+        else:
+            n, drafted = 0, 0
+        accepted = min(accept(c, n, conf), n)
+        jitter = 1.0 + noise * rng.standard_normal() if noise else 1.0
+        timing = CycleTiming(ctx, n, drafted, costs[n] * jitter, draft_s if drafted else 0.0, 0.0)
+        verifier.observe(Verification(accepted, [1] * (accepted + 1)), n, timing)
+        widths.append(n)
+    return widths
+
+
+def perfect(c, n, conf):
+    return n
+
+
+def never(c, n, conf):
+    return 0
+
+
+def geometric(rate, seed=1):
+    rng = np.random.default_rng(seed)
+
+    def accept(c, n, conf):
+        a = 0
+        while a < n and rng.random() < rate:
+            a += 1
+        return a
+
+    return accept
+
+
+# -- the pure decision functions ---------------------------------------------------------------
+
+def brute_force(probs, costs, draft, rest):
+    rates = []
+    for n in range(1, len(probs) + 1):
+        tokens = 1 + sum(np.prod(probs[:j]) for j in range(1, n + 1))
+        rates.append(tokens / (draft + costs[n] + rest))
+    return max(rates), 1 + int(np.argmax(rates))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_rate_is_the_argmax_of_tokens_per_second(seed):
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 16))
+    probs = list(rng.uniform(0.0, 1.0, k))
+    steps = np.sort(rng.choice([1.0, 1.0, 1.5, 2.0, 3.0], size=k + 1))  # a random staircase
+    costs = list(np.cumsum(steps) / 4 + 1.0)
+    draft, rest = float(rng.uniform(0, 2)), float(rng.uniform(0, 0.5))
+    rate, n = best_rate(expected_tokens(probs), costs, draft, rest)
+    want_rate, want_n = brute_force(probs, costs, draft, rest)
+    assert rate == pytest.approx(want_rate)
+    assert n == want_n
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_width_agrees_with_the_rate_comparison_at_the_fixed_point(seed):
+    rng = np.random.default_rng(100 + seed)
+    probs = list(rng.uniform(0.2, 1.0, K))
+    costs = list(np.cumsum(rng.choice([0.0, 0.0, 0.5, 1.0], size=K + 1)) + 1.0)
+    gains = expected_tokens(probs)
+    draft = 0.7
+    rate, n = best_rate(gains, costs, draft, 0.0)
+    plain = 1.0 / costs[0]
+    rho = max(rate, plain)
+    if rate >= plain:  # the draft cost cancels: the same n as the rate comparison
+        assert best_width(gains, costs, rho) == n
+    # in any case: the n maximising E(n) - rho * T(n+1), the draft being already paid for
+    values = [gains[m] - rho * costs[m] for m in range(K + 1)]
+    assert best_width(gains, costs, rho) == int(np.argmax(values))
+
+
+def test_staircase_costs_pick_the_edge_of_a_stair():
+    probs = [0.8] * K
+    gains = expected_tokens(probs)
+    rate, n = best_rate(gains, STAIRS, 0.3e-3, 0.0)
+    assert n == 3  # width 4: the last width before the 2 ms stair
+    # with near-perfect acceptance the longer stairs pay off
+    assert best_rate(expected_tokens([0.99] * K), STAIRS, 0.3e-3, 0.0)[1] in (11, 15)
+
+
+# -- the policy through the verifier's hooks ----------------------------------------------------
+
+def test_perfect_acceptance_uses_the_full_width():
+    v = AdaptiveVerifier()
+    widths = drive(v, 200, perfect, FLAT)
+    assert widths[0] == K and widths[1] == 0  # warm-up: full width, then a plain step
+    assert sum(w == K for w in widths[2:]) >= 0.95 * len(widths[2:])
+    # plain steps until the plain-step cost has 3 samples in each context bucket (3 buckets here)
+    assert 2 <= v.decisions()["fallback_cycles"].get("refresh", 0) <= 8
+    assert v.decisions()["acceptance"][:3] == pytest.approx([1.0, 1.0, 1.0], abs=0.1)
+
+
+def test_zero_acceptance_falls_back_and_keeps_probing_within_budget():
+    v = AdaptiveVerifier({"probe_budget": 0.02, "max_probe_interval": 256})
+    widths = drive(v, 3000, never, FLAT)
+    d = v.decisions()
+    first_plain = next(i for i in range(2, len(widths)) if widths[i] == 0)
+    assert first_plain <= 6
+    actions = d["actions"]
+    probes = [i for i, a in enumerate(actions) if a == "probe" and actions[i - 1] != "probe"]  # probe starts
+    assert len(probes) >= 8  # never locked into fallback
+    assert all(actions[i + 1] == "probe" for i in probes[1:])  # each probe tries two anchors
+    gaps = np.diff(probes)
+    assert all(b >= a for a, b in zip(gaps, gaps[1:]))  # intervals only grow while probes fail
+    assert gaps[-1] <= 257
+    # probing cost: extra time over plain decoding stays within the budget (plus warm-up)
+    extra = sum(0.3e-3 + FLAT[w] - FLAT[0] for w in widths[first_plain:] if w)
+    assert extra / (len(widths[first_plain:]) * FLAT[0]) < 0.025
+    assert d["fallback_cycles"]["cost"] >= 0.97 * len(widths) - 10
+    assert d["events"][0]["mode"] == "fallback"
+
+
+def test_acceptance_that_collapses_and_recovers():
+    phases = [(80, perfect), (300, never), (400, perfect)]
+    v = AdaptiveVerifier({"max_probe_interval": 64})
+
+    def accept(c, n, conf):
+        for length, rule in phases:
+            if c < length:
+                return rule(c, n, conf)
+            c -= length
+        raise AssertionError
+
+    widths = drive(v, sum(p[0] for p in phases), accept, FLAT)
+    good1, bad, good2 = widths[:80], widths[80:380], widths[380:]
+    assert sum(w == K for w in good1[2:]) >= 0.93 * 78
+    actions = v.decisions()["actions"][80:380]
+    assert set(actions[6:]) == {"plain:cost", "probe"}  # fallback within a few cycles, then probes
+    assert 4 <= actions[6:].count("probe") <= 16
+    recovered = next(i for i, w in enumerate(good2) if w == K and good2[i + 1] == K)
+    assert recovered <= 64 + 2  # at the next probe at the latest
+    assert sum(w == K for w in good2[recovered:]) >= 0.95 * len(good2[recovered:])
+    modes = [e["mode"] for e in v.decisions()["events"]]
+    assert "fallback" in modes and modes[-1] == "speculate"
+
+
+def test_partial_acceptance_on_staircase_costs_settles_on_the_stair_edge():
+    v = AdaptiveVerifier()
+    widths = drive(v, 600, geometric(0.8), STAIRS)
+    tail = widths[200:]
+    assert max(set(tail), key=tail.count) == 3
+    assert sum(w in (3, 7) for w in tail) >= 0.9 * len(tail)
+
+
+def test_non_monotone_costs_find_the_cheap_width():
+    # BLAS kernels change with the row count: here 15 rows cost less than 14 or 16
+    costs = [1e-3] * 13 + [3e-3, 1.05e-3, 3e-3]
+    v = AdaptiveVerifier()
+    widths = drive(v, 300, perfect, costs, noise=0.1)
+    tail = widths[60:]
+    assert sum(w == 14 for w in tail) >= 0.85 * len(tail)
+    assert v.decisions()["cost"]["target"][14] == pytest.approx(1.05, rel=0.15)
+
+
+def test_fixed_cost_table_option_is_used_instead_of_timings():
+    v = AdaptiveVerifier({"cost_table": [1.0] * 4 + [2.0] * 4 + [3.0] * 8, "draft_cost": 0.3})
+    widths = drive(v, 300, geometric(0.8, seed=3), [5.0] * (K + 1))  # measured timings say otherwise
+    assert widths[0] != 0  # no warm-up with a fixed table
+    tail = widths[100:]
+    assert max(set(tail), key=tail.count) == 3
+    assert v.decisions()["cost"]["unit"] == "table"
+
+
+def test_hysteresis_prevents_flapping_near_break_even():
+    # speculation at width 2 is within a few percent of plain; timings jitter by 5 %
+    costs = [1e-3] * (K + 1)
+
+    def switches(h):
+        v = AdaptiveVerifier({"hysteresis": h, "probe_interval": 1, "probe_budget": 1.0, "max_probe_interval": 1})
+        drive(v, 1500, geometric(0.27, seed=5), costs, draft_s=0.25e-3, k=1, noise=0.05, seed=2)
+        return len(v.decisions()["events"])
+
+    assert switches(0.1) < switches(0.0) / 2
+
+
+def test_draft_confidence_is_calibrated_and_truncates_the_submission():
+    rng = np.random.default_rng(7)
+    confidences = [list(rng.choice([0.15, 0.9], size=K, p=[0.25, 0.75])) for _ in range(800)]
+
+    def leading_high(conf):
+        return next((j for j, c in enumerate(conf) if c < 0.5), K)
+
+    def accept(c, n, conf):  # high-confidence drafts always pass, low-confidence ones never
+        return min(n, leading_high(conf))
+
+    costs = [1e-3 * (1.0 + 0.1 * w) for w in range(K + 1)]  # each extra row costs 10 %
+    v = AdaptiveVerifier()
+    widths = drive(v, 800, accept, costs, confidence=lambda c: confidences[c])
+    tail = range(400, 800)
+    hits = sum(widths[c] == leading_high(confidences[c]) for c in tail)
+    assert hits >= 0.85 * len(tail)
+    shifts = [v.policy.acceptance._shift(v.policy.acceptance._bin(c)) for c in (0.15, 0.9)]
+    assert shifts[0] < -3 and shifts[1] > 1
+    # the same policy without confidence cannot do this
+    blind = AdaptiveVerifier({"use_confidence": False})
+    blind_widths = drive(blind, 800, accept, costs, confidence=lambda c: confidences[c])
+    assert sum(blind_widths[c] == leading_high(confidences[c]) for c in tail) < hits / 2
+
+
+def test_confidence_from_backend_arrays():
+    torch = pytest.importorskip("torch")
+    values = [0.25, 0.5, 0.75]
+    assert host_confidence(values) == values
+    assert host_confidence(np.asarray(values, dtype=np.float64)) == values
+    assert host_confidence(torch.tensor(values, dtype=torch.float64)) == values
+    assert host_confidence(torch.tensor(values, dtype=torch.float64)[:, None]) == values
+    assert host_confidence(None) is None
+    v = AdaptiveVerifier()
+    v.wants_draft(3, 10)
+    assert v.plan(Draft(np.zeros(3, dtype=np.int64), 3, confidence=torch.tensor(values)), 3, 10) == 3  # warm-up probe
+
+
+def test_scores_and_log_probabilities_are_binned_monotonically():
+    m = AcceptanceModel()
+    low, high = m._bin(0.05), m._bin(0.95)
+    assert low < high and m._bin(-3.0) == m._bin(np.exp(-3.0))
+    m._bin(5.0)  # a score above 1: the drafter's confidences are scores from now on
+    assert m.scores and m._bin(0.5) < m._bin(5.0) < m._bin(50.0)
+
+
+def test_max_context_makes_the_rest_of_the_request_plain():
+    v = AdaptiveVerifier({"max_context": 120})
+    v.begin(100)
+    widths = drive(v, 40, perfect, FLAT, start=100)
+    assert all(w == 0 for w in widths[20:]) and any(widths[:20])
+    d = v.decisions()
+    assert d["plain_from_context"] == 120
+    assert d["fallback_cycles"]["max_context"] == 20
+    v.begin(500)
+    assert v.decisions()["plain_from_context"] == 500
+
+
+def test_decisions_record_every_cycle():
+    v = AdaptiveVerifier()
+    v.begin(10)
+    widths = drive(v, 50, never, FLAT, start=10)
+    d = v.decisions()
+    assert d["widths"] == widths and len(d["actions"]) == 50
+    assert d["actions"][:2] == ["probe", "plain:warmup"]
+    assert sum(d["fallback_cycles"].values()) + d["speculative_cycles"] == 50
+    assert {"mode", "events", "acceptance", "cost", "next_probe_in"} <= set(d)
+
+
+def test_options_are_validated():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        AdaptiveVerifier({"hysteresis": 2.0})
+    with pytest.raises(ValidationError):
+        AdaptiveVerifier({"no_such_option": 1})
+    with pytest.raises(ValidationError):
+        AdaptiveVerifier({"draft_cost": 0.2})  # needs cost_table
+    with pytest.raises(ValidationError):
+        AdaptiveVerifier({"probe_interval": 64, "max_probe_interval": 8})
+
+
+def test_validator_reports_bad_adaptive_options(tiny_target):
+    from speculant.core.validator import validate
+
+    config = {"target": {"path": str(tiny_target)}, "backend": {"kind": "torch", "device": "cpu"},
+              "verifier": {"kind": "adaptive", "options": {"max_context": 0}}}
+    report = validate(config)
+    assert [p.field for p in report.errors] == ["verifier.options"]
+    config["verifier"]["options"] = {"max_context": 64}
+    assert validate(config).ok
+
+
+# -- the cost model -------------------------------------------------------------------------
+
+def test_cost_model_learns_a_measured_staircase():
+    model = CostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        for w in (1, 4, 5, 8, 16):
+            model.add_target(w, 300, STAIRS[w - 1] * (1 + 0.05 * rng.standard_normal()))
+    est = model.target_s(16, 300)
+    for w in (1, 4, 5, 8, 16):
+        assert est[w - 1] == pytest.approx(STAIRS[w - 1], rel=0.12)
+    assert all(b >= a * 0.9 for a, b in zip(est, est[1:]))  # unmeasured widths follow the fit
+
+
+def test_cost_model_clips_spikes_and_distrusts_early_spikes():
+    model = CostModel()
+    for _ in range(20):
+        model.add_target(1, 50, 1e-3)
+        model.add_target(16, 50, 1.2e-3)
+    model.add_target(16, 50, 1.0)  # a descheduling spike
+    assert model.target_s(16, 50)[-1] < 2.5e-3
+    model.add_target(8, 50, 5e-3)  # width 8's first sample is a spike, its second is not
+    model.add_target(8, 50, 1.1e-3)
+    assert model.target_s(16, 50)[7] == pytest.approx(1.1e-3)
+    for _ in range(10):  # with more samples the running mean takes over
+        model.add_target(8, 50, 1.3e-3)
+    assert model.target_s(16, 50)[7] == pytest.approx(1.3e-3, rel=0.1)
+
+
+def test_cost_model_borrows_across_context_buckets_with_scaling():
+    model = CostModel()
+    for _ in range(10):
+        model.add_target(1, 100, 1e-3)
+        model.add_target(16, 100, 2e-3)
+        model.add_target(1, 2000, 3e-3)  # long context: plain steps three times slower
+    assert context_bucket(100) != context_bucket(2000)
+    est = model.target_s(16, 2000)
+    assert est[0] == pytest.approx(3e-3, rel=0.05)
+    assert est[-1] == pytest.approx(6e-3, rel=0.25)  # width 16 scaled by the plain-step ratio
+
+
+def test_no_cycle_reads_more_than_one_expected_tokens_table():
+    # E(n) is monotone and bounded by n + 1
+    for probs in itertools.product([0.0, 0.5, 1.0], repeat=3):
+        e = expected_tokens(probs)
+        assert all(b >= a for a, b in zip(e, e[1:])) and all(v <= i + 1 for i, v in enumerate(e))
