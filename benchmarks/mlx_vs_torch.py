@@ -40,8 +40,9 @@ def engine(kind: str, dtype: str, target: Path, draft: Path | None = None):
     return speculant.Engine.from_config(config)
 
 
-def reference_runs(target: Path, draft: Path, prompt: list[int], args, block: int) -> tuple[float, float, float]:
-    """(reference plain tok/s, reference speculative tok/s, its mean acceptance length)."""
+def reference_rates(target: Path, draft: Path, prompt: list[int], args, block: int) -> tuple[float, float, float]:
+    """One run each of the reference's plain and speculative loops: (plain tok/s, speculative
+    tok/s, mean acceptance length)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from reference.harness import run_reference
 
@@ -78,6 +79,7 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in names}
         taus: dict[str, list[float]] = {name: [] for name in names}
         outputs: dict[str, list[int]] = {}
+        refs: list[tuple[float, float, float]] = []
         kw = dict(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
         for e in list(runs.values()) + [spec]:
             e.run(prompt_ids=prompt[:8], max_new_tokens=8, ignore_eos=True)  # warm-up
@@ -90,25 +92,30 @@ def main() -> None:
                 rates[name].append(result.stats.decode_tokens_per_s)
                 taus[name].append(result.stats.mean_acceptance_length or 1.0)
                 outputs.setdefault(name, result.token_ids)
-        ref = reference_runs(target, draft, prompt, args, max(blocks)) if args.reference else None
+            if args.reference:
+                refs.append(reference_rates(target, draft, prompt, args, max(blocks)))
 
     median = {name: statistics.median(v) for name, v in rates.items()}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))  # noqa: E731  (per repeat)
     print(f"target: {params / 1e6:.1f}M parameters, {args.dtype}, prompt {len(prompt)} tokens, "
           f"{args.max_new_tokens} new tokens, {args.repeats} repeats, torch threads {args.threads}")
     for name in names:
         tau = f", mean acceptance length {statistics.median(taus[name]):.2f}" if "dflash" in name else ""
         print(f"  {name:16s} decode {median[name]:7.1f} tok/s (runs: {', '.join(f'{x:.1f}' for x in rates[name])}){tau}")
-    print(f"MLX plain / torch plain: {median['mlx plain'] / median['torch plain']:.2f}")
+    print("ratios (median over repeats of the ratio within a repeat):")
+    print(f"  MLX plain / torch plain: {ratio('mlx plain', 'torch plain'):.2f}")
     for b in blocks:
-        print(f"MLX dflash b{b} / MLX plain: {median[f'mlx dflash b{b}'] / median['mlx plain']:.2f}")
+        print(f"  MLX dflash b{b} / MLX plain: {ratio(f'mlx dflash b{b}', 'mlx plain'):.2f}")
     same = all(tokens == outputs["torch plain"] for tokens in outputs.values())
     print(f"identical tokens across all runs: {same}")
-    if ref is not None:
-        base, sped, tau = ref
-        ours = median[f"mlx dflash b{max(blocks)}"] / median["mlx plain"]
-        print(f"reference dflash.model_mlx b{max(blocks)}: plain {base:.1f} tok/s, speculative {sped:.1f} tok/s "
-              f"(mean acceptance length {tau:.2f}), ratio {sped / base:.2f}; speculant's ratio {ours:.2f}")
-
+    if refs:
+        b = max(blocks)
+        ref_ratio = statistics.median(spec / base for base, spec, _ in refs)
+        print(f"reference dflash.model_mlx b{b}: plain {statistics.median(r[0] for r in refs):.1f} tok/s, speculative "
+              f"{statistics.median(r[1] for r in refs):.1f} tok/s (mean acceptance length {refs[0][2]:.2f}); "
+              f"speculative/plain {ref_ratio:.2f} vs speculant's {ratio(f'mlx dflash b{b}', 'mlx plain'):.2f}")
+        ours = statistics.median(rates[f"mlx dflash b{b}"])
+        print(f"speculant / reference, speculative decode tok/s: {ours / statistics.median(r[1] for r in refs):.2f}")
 
 if __name__ == "__main__":
     main()

@@ -165,8 +165,10 @@ class MLXTarget(TargetModel):
         self._recorder.start(capture)
         try:
             logits = self.model(ids[None], cache=self.cache)
-        finally:
-            features, final = self._recorder.finish(capture)
+        except BaseException:
+            self._recorder.start(Capture())  # stop recording; keep the original error
+            raise
+        features, final = self._recorder.finish(capture)
         self._length += int(ids.shape[0])
         return logits[0], features, final
 
