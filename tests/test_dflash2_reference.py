@@ -1,8 +1,13 @@
-"""Parity of DFlash2 with the official reference ``dflash`` 0.1.0 (``DFlash2DraftModel`` in
-``dflash.model``, PyTorch) on identical weights: the same proposals in every cycle, the same
-greedy tokens and the same acceptance lengths, including prompts longer than the draft's
-sliding window. Checkpoints come from the reference harness's own builder (the published
-layout, written independently of speculant's) and from ``speculant.testing.tiny_dflash2``."""
+"""Parity of DFlash2 with the official reference ``dflash`` 0.1.0 on identical weights:
+``DFlash2DraftModel`` in ``dflash.model`` (PyTorch) against speculant on PyTorch, and
+``dflash.model_mlx`` against speculant on MLX. The same proposals in every cycle, the same greedy
+tokens and the same acceptance lengths, including prompts longer than the draft's sliding
+window. Checkpoints come from the reference harness's own builder (the published layout,
+written independently of speculant's) and from ``speculant.testing.tiny_dflash2``.
+
+The MLX reference runs sliding-window drafts with its rotating cache kept in temporal order
+(``mlx_temporal_rotating_cache``, see tests/reference/README.md): stock, it masks context rows
+by buffer index after a one-row append; speculant follows the PyTorch reference there."""
 
 from __future__ import annotations
 
@@ -77,23 +82,41 @@ def run_recording_proposals(engine, **kwargs):
         del engine.drafter.propose
 
 
+def has_mlx() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("mlx", "mlx_lm"))
+
+
+BACKENDS = ["torch", pytest.param("mlx", marks=[pytest.mark.mlx, pytest.mark.skipif(not has_mlx(), reason="needs mlx")])]
+
+
 @pytest.fixture(scope="module")
 def reference_runs(reference_python, checkpoints):
-    jobs = [dict(backend="torch", target_dir=checkpoints[d][0], draft_dir=checkpoints[d][1], prompt_ids=p,
-                 max_new_tokens=n, block_size=b) for d, p, b, n in CASES]
-    return harness.run_reference_batch(jobs)
+    runs = {}
+
+    def get(backend):
+        if backend not in runs:
+            jobs = [dict(backend=backend, target_dir=checkpoints[d][0], draft_dir=checkpoints[d][1], prompt_ids=p,
+                         max_new_tokens=n, block_size=b, mlx_temporal_rotating_cache=backend == "mlx")
+                    for d, p, b, n in CASES]
+            runs[backend] = harness.run_reference_batch(jobs)
+        return runs[backend]
+
+    return get
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{d}-p{len(p)}-b{b}" for d, p, b, _ in CASES])
-def test_same_proposals_tokens_and_acceptance(checkpoints, reference_runs, case):
+def test_same_proposals_tokens_and_acceptance(checkpoints, reference_runs, case, backend):
     name, prompt, block_size, max_new = CASES[case]
     target, draft = checkpoints[name]
     engine = speculant.Engine.from_config({
-        "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+        "backend": {"kind": backend, "device": "cpu", "dtype": "float32"},
         "target": {"path": str(target)},
         "drafter": {"kind": "dflash2", "path": str(draft)},
     })
-    ref = reference_runs[case]
+    ref = reference_runs(backend)[case]
     ours, proposals = run_recording_proposals(engine, prompt_ids=prompt, max_new_tokens=max_new,
                                               block_size=block_size, ignore_eos=True)
     assert ref["architecture"] == "DFlash2DraftModel"

@@ -240,8 +240,11 @@ class MLXDFlashDrafter(Drafter):
         return Draft(token_ids=tokens, num_tokens=request.num_tokens)
 
 
-def load_weights(model: DFlashModel, folder) -> None:
-    """Strict load of the published safetensors: every tensor present, right shape, nothing extra."""
+def load_weights(model: DFlashModel, folder, rename: dict[str, str] | None = None) -> None:
+    """Strict load of the published safetensors: every tensor present, right shape, nothing extra.
+
+    ``rename`` maps on-disk names to parameter names (applied when the old name is present).
+    """
     from mlx.utils import tree_flatten
 
     from speculant.core.checkpoint import safetensors_files
@@ -250,6 +253,9 @@ def load_weights(model: DFlashModel, folder) -> None:
     weights: dict[str, mx.array] = {}
     for file in safetensors_files(folder):
         weights.update(mx.load(str(file)))
+    for old, new in (rename or {}).items():
+        if old in weights:
+            weights[new] = weights.pop(old)
     own = dict(tree_flatten(model.parameters()))
     problems = [f"missing tensor {k}" for k in own if k not in weights]
     problems += [f"unexpected tensor {k}" for k in weights if k not in own]

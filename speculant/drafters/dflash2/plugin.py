@@ -9,14 +9,26 @@ from speculant.drafters.dflash.plugin import DFlashFactory
 from speculant.plugins.hookspecs import hookimpl
 
 
-class DFlash2Factory(DFlashFactory):
-    """Reads and validates ``DFlash2DraftModel`` checkpoints; loads them on PyTorch.
+MLX_DEFAULT_BLOCK = 5  # verify cost grows superlinearly with width on Metal (reference advice)
 
-    Runtime block: 2..trained block; the default is the trained block.
+
+def quantize_exclude(path: str) -> bool:
+    """Keep the whole selector (codebooks and its gate projection) and the convolutions in float."""
+    from speculant.drafters.quantization import default_exclude
+
+    return default_exclude(path) or path.split(".")[0] == "candidate_selector"
+
+
+class DFlash2Factory(DFlashFactory):
+    """Reads and validates ``DFlash2DraftModel`` checkpoints; loads them on PyTorch and MLX.
+
+    Runtime block: 2..trained block. The default is the trained block on PyTorch and
+    ``min(5, trained block)`` on MLX, reported there as ``DrafterInfo.trained_block_size``
+    (the engine's default) while ``max_block_size`` keeps the trained block as the limit.
     """
 
     name = "dflash2"
-    backends = ("torch",)
+    backends = ("torch", "mlx")
     architecture = "DFlash2DraftModel"
 
     def describe(self, config, target, backend):
@@ -28,6 +40,8 @@ class DFlash2Factory(DFlashFactory):
         problems = [p for p in early if p.field not in seen] + problems
         if info is not None:
             problems += check_dflash2_values(info.extra["config"])
+            if backend == "mlx":
+                info = dataclasses.replace(info, trained_block_size=min(MLX_DEFAULT_BLOCK, info.max_block_size))
         return info, problems
 
     def check_tensors(self, path, cfg):
@@ -36,11 +50,13 @@ class DFlash2Factory(DFlashFactory):
         return check_dflash2_tensors(path, cfg)
 
     def info(self, cfg) -> DrafterInfo:
+        info = super().info(cfg)
         return dataclasses.replace(
-            super().info(cfg),
+            info,
             max_block_size=cfg.block_size,
             proposal_kinds=(ProposalKind.ONE_HOT, ProposalKind.SPARSE),
             can_sample=True,
+            extra={**info.extra, "quantize_exclude": quantize_exclude},
         )
 
     def load(self, config, info, backend, target):
@@ -48,6 +64,10 @@ class DFlash2Factory(DFlashFactory):
             from speculant.drafters.dflash2.torch_loader import load_torch_dflash2
 
             return load_torch_dflash2(config, info, backend, target)
+        if backend.name == "mlx":
+            from speculant.drafters.dflash2.mlx import load_mlx_dflash2
+
+            return load_mlx_dflash2(config, info, backend, target)
         raise ValueError(f"the dflash2 drafter does not support the {backend.name} backend")
 
 
