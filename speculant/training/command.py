@@ -1,4 +1,4 @@
-"""``speculant train tokenizer | target | dflash | evaluate``."""
+"""``speculant train tokenizer | target | dflash | mtp | evaluate``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def add_parser(sub) -> None:
     dfl.add_argument("--batch", type=int, default=4)
     _loop_flags(dfl, steps=1000, lr=6e-4)
     dfl.set_defaults(func=cmd_dflash)
+
+    mtp = steps.add_parser("mtp", help="train a Qwen-layout MTP head (mtp.*) against a local target")
+    mtp.add_argument("--target", required=True, type=Path)
+    mtp.add_argument("--out", required=True, type=Path)
+    mtp.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
+    mtp.add_argument("--prompt-len", type=int, default=64)
+    mtp.add_argument("--response-len", type=int, default=192)
+    mtp.add_argument("--batch", type=int, default=4)
+    _loop_flags(mtp, steps=1000, lr=6e-4)
+    mtp.set_defaults(func=cmd_mtp)
 
     ev = steps.add_parser("evaluate", help="mean acceptance length on held-out files")
     ev.add_argument("--target", required=True, type=Path)
@@ -108,20 +118,36 @@ def cmd_target(args) -> int:
 
 
 def cmd_dflash(args) -> int:
-    from speculant.training.dflash import DFlashShape, generate_sequences, train_dflash
+    from speculant.training.dflash import DFlashShape, train_dflash
+
+    sequences = target_sequences(args)
+    shape = DFlashShape(args.layers, args.block_size, args.features, args.anchors)
+    path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
+    print(f"draft saved to {path}")
+    return 0
+
+
+def target_sequences(args) -> np.ndarray:
+    """Corpus prompts continued greedily by the target itself, cached in ``--out``/sequences.npy."""
+    from speculant.training.dflash import generate_sequences
     from speculant.training.features import load_frozen_target
 
     args.out.mkdir(parents=True, exist_ok=True)
     seq_file = args.out / "sequences.npy"
     if seq_file.exists():
-        sequences = np.load(seq_file)
-    else:
-        prompts = corpus_prompts(args.target, args.sequences, args.prompt_len, args.seed)
-        sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len)
-        np.save(seq_file, sequences)
-    shape = DFlashShape(args.layers, args.block_size, args.features, args.anchors)
-    path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
-    print(f"draft saved to {path}")
+        return np.load(seq_file)
+    prompts = corpus_prompts(args.target, args.sequences, args.prompt_len, args.seed)
+    sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len)
+    np.save(seq_file, sequences)
+    return sequences
+
+
+def cmd_mtp(args) -> int:
+    from speculant.training.mtp import MTPShape, train_mtp
+
+    sequences = target_sequences(args)
+    path = train_mtp(args.target, sequences, args.prompt_len, args.out, MTPShape(), _settings(args), args.batch)
+    print(f"MTP head saved to {path} (drafter = {{kind = \"mtp\", path = \"{path}\"}})")
     return 0
 
 
