@@ -90,9 +90,12 @@ class Engine:
 
         ``overrides`` may set any ``sampling`` or ``generation`` field for this call
         (``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``stop_strings``,
-        ``ignore_eos``) and ``block_size``.
+        ``ignore_eos``) and ``block_size``. A text prompt is tokenized with the tokenizer's
+        special tokens (BOS where the model uses one), as ``tokenizer(prompt)`` does; pass
+        ``add_special_tokens=False`` for text that already has them (a rendered chat template).
         """
-        ids = self._prompt_ids(prompt, prompt_ids)
+        add_special = overrides.pop("add_special_tokens", True)
+        ids = self._prompt_ids(prompt, prompt_ids, add_special)
         sampling, generation, block = self._settings(max_new_tokens, overrides)
         return self._stream(ids, sampling, generation, block)
 
@@ -103,11 +106,13 @@ class Engine:
         return GenerationResult(text, list(self.last_token_ids), self.last_stats)
 
     # -- internals -------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | None, prompt_ids: Sequence[int] | None) -> list[int]:
+    def _prompt_ids(self, prompt: str | None, prompt_ids: Sequence[int] | None, add_special: bool = True) -> list[int]:
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("pass exactly one of prompt or prompt_ids")
         if prompt_ids is None:
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+            if self.tokenizer is None:
+                raise ValueError("the target folder has no tokenizer: pass prompt_ids instead of a text prompt")
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special) if prompt else []
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
