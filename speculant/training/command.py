@@ -1,4 +1,4 @@
-"""``speculant train tokenizer | target | dflash | mtp | evaluate``."""
+"""``speculant train tokenizer | target | dflash | dflash2 | mtp | evaluate``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,25 @@ def add_parser(sub) -> None:
     dfl.add_argument("--batch", type=int, default=4)
     _loop_flags(dfl, steps=1000, lr=6e-4)
     dfl.set_defaults(func=cmd_dflash)
+
+    dfl2 = steps.add_parser("dflash2", help="train a DFlash2 drafter (convolutions + candidate selector) against a local target")
+    dfl2.add_argument("--target", required=True, type=Path)
+    dfl2.add_argument("--out", required=True, type=Path)
+    dfl2.add_argument("--block-size", type=int, default=8)
+    dfl2.add_argument("--layers", type=int, default=2)
+    dfl2.add_argument("--features", type=int, default=3, help="number of target layers read")
+    dfl2.add_argument("--conv-kernel-size", type=int, default=2)
+    dfl2.add_argument("--conv-group-size", type=int, default=16)
+    dfl2.add_argument("--selector-rank", type=int, default=32)
+    dfl2.add_argument("--selector-top-k", type=int, default=8)
+    dfl2.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector cross-entropy")
+    dfl2.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
+    dfl2.add_argument("--prompt-len", type=int, default=64)
+    dfl2.add_argument("--response-len", type=int, default=192)
+    dfl2.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
+    dfl2.add_argument("--batch", type=int, default=4)
+    _loop_flags(dfl2, steps=1000, lr=6e-4)
+    dfl2.set_defaults(func=cmd_dflash2)
 
     mtp = steps.add_parser("mtp", help="train a Qwen-layout MTP head (mtp.*) against a local target")
     mtp.add_argument("--target", required=True, type=Path)
@@ -124,6 +143,19 @@ def cmd_dflash(args) -> int:
     shape = DFlashShape(args.layers, args.block_size, args.features, args.anchors)
     path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
     print(f"draft saved to {path}")
+    return 0
+
+
+def cmd_dflash2(args) -> int:
+    from speculant.training.dflash2 import DFlash2Shape, train_dflash2
+
+    sequences = target_sequences(args)
+    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size, num_features=args.features,
+                         anchors_per_sequence=args.anchors, conv_kernel_size=args.conv_kernel_size,
+                         conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
+                         selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)
+    path = train_dflash2(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
+    print(f"DFlash2 draft saved to {path}")
     return 0
 
 

@@ -62,8 +62,11 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
     return torch.cat([ctx_keep, own], dim=1)
 
 
-def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, cfg: DFlashConfig):
-    """Draft hidden states [n, B, H] of the blocks opened at ``anchors`` in one sequence."""
+def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, cfg: DFlashConfig,
+                  run_layer=None):
+    """Draft hidden states [n, B, H] of the blocks opened at ``anchors`` in one sequence.
+    ``run_layer(layer, x, cos, sin, ctx_k, ctx_v, mask)`` replaces ``layer(...)`` (DFlash2 runs
+    its block-local convolutions block by block)."""
     B = cfg.block_size
     S = features.shape[0]
     dtype = next(model.parameters()).dtype
@@ -79,7 +82,7 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     mask = block_mask(anchors, S, B)
     for layer in model.layers:
         ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-        x = layer(x, cos, sin, ck, cv, mask)
+        x = layer(x, cos, sin, ck, cv, mask) if run_layer is None else run_layer(layer, x, cos, sin, ck, cv, mask)
     return model.norm(x).reshape(anchors.shape[0], B, -1)
 
 
@@ -88,6 +91,11 @@ def block_loss(model, target, features, tokens, anchors, cfg: DFlashConfig) -> t
     hidden = draft_forward(model, target, features, tokens, anchors, cfg)[:, 1:]
     logits = target._head(hidden).float() * cfg.output_multiplier
     labels = tokens[anchors[:, None] + torch.arange(1, B)[None, :]]
+    return weighted_block_ce(logits, labels, B)
+
+
+def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, B: int) -> tuple[torch.Tensor, dict]:
+    """Cross-entropy of block rows 1..B-1 ([n, B-1, V] vs [n, B-1]), weight exp(-(k-1)/gamma)."""
     gamma = GAMMA.get(B, max(1.0, B / 2))
     weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma).expand_as(labels)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)

@@ -1,0 +1,200 @@
+"""Train a DFlash2 drafter against a local Hugging Face target.
+
+Backbone objective: DFlash's (speculant.training.dflash: target-generated sequences, random
+anchors, block [anchor, mask x (B-1)], decay-weighted cross-entropy), with the DFlash2 layers
+(dynamic convolutions around both sublayers). The convolutions are block-local, so each block
+runs through them on its own (``torch.func.vmap`` over the blocks of a sequence, the drafter's
+own layer modules).
+
+Identity initialisation (dflash2.md §3.6): base kernel tap 0 = 1 and the other taps 0, zero
+kernel projection, zero successor codebook (random predecessor codebook and gate projection,
+so gradients reach the successor codebook): an untrained DFlash2 proposes what DFlash does.
+
+Selector objective: for block row t with candidates C_t = top-K of its logits and unary scores
+U_t, the score of candidate b is U_t(b) + <A[x_{t-1}] * W_h h_t, B[b]> with the *true*
+predecessor x_{t-1} (the anchor for row 0); cross-entropy towards the true token's index in
+C_t. Rows whose true token is not among the candidates are excluded and reported as
+``candidate_recall``. The selector loss trains only the selector (unary scores and hidden
+states are detached), weighted by ``selector_weight``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speculant.core.types import Capture
+from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
+from speculant.training.dflash import default_layer_ids, draft_forward, weighted_block_ce
+from speculant.training.features import capture_batch, load_frozen_target
+from speculant.training.loop import TrainSettings, train
+
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+@dataclass
+class DFlash2Shape:
+    num_layers: int = 2
+    block_size: int = 8
+    num_features: int = 3
+    anchors_per_sequence: int = 32
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 32
+    selector_top_k: int = 8
+    sliding_window: int = 2048
+    selector_weight: float = 1.0
+
+
+def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
+    """The published DFlash2 config.json layout (every DFlash key inside ``dflash_config``)."""
+    layer_ids = default_layer_ids(target["num_hidden_layers"], shape.num_features)
+    keys = {"conv_kernel_size": shape.conv_kernel_size, "conv_group_size": shape.conv_group_size,
+            "selector_rank": shape.selector_rank, "selector_top_k": shape.selector_top_k}
+    config = published_config(target, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window,
+                              architecture="DFlash2DraftModel", extra_dflash=keys)
+    config.pop("block_size", None)
+    config["is_causal"] = False
+    config["max_window_layers"] = shape.num_layers
+    return config
+
+
+def new_dflash2_config(target_dir: Path, out_dir: Path, shape: DFlash2Shape) -> DFlashConfig:
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    tok = json.loads((target_dir / "tokenizer.json").read_text())
+    mask = next((t["id"] for t in tok.get("added_tokens", []) if t["content"] in ("<|mask|>", "<|MASK|>")), None)
+    if mask is None:
+        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; add one (DFlash2 needs a mask id inside the vocab)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(dflash2_config(tcfg, mask, shape), indent=2))
+    cfg, problems = parse_config(out_dir)
+    if problems:
+        raise ValueError("; ".join(map(str, problems)))
+    return cfg
+
+
+def init_dflash2(cfg: DFlashConfig, seed: int):
+    from speculant.drafters.dflash2.torch import DFlash2Model
+
+    torch.manual_seed(seed)
+    model = DFlash2Model(cfg)
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+        selector = model.candidate_selector
+        torch.nn.init.normal_(selector.hidden_projection.weight, 0.0, cfg.hidden_size ** -0.5)
+        torch.nn.init.normal_(selector.predecessor_codebook, 0.0, 1.0)
+        selector.successor_codebook.zero_()
+    return model
+
+
+def blockwise(block_size: int):
+    """``run_layer`` for :func:`draft_forward`: each block through the layer on its own (the
+    convolutions never cross a block boundary), attending to its context rows and its block."""
+
+    def run_layer(layer, x, cos, sin, ctx_k, ctx_v, mask):
+        B = block_size
+        n = x.shape[0] // B
+        S = mask.shape[1] - n * B
+        keep = torch.cat([mask[:, :S].reshape(n, B, S), torch.ones(n, B, B, dtype=torch.bool)], dim=-1)
+        run = torch.func.vmap(layer, in_dims=(0, 0, 0, None, None, 0))
+        out = run(x.view(n, B, -1), cos.view(n, B, -1), sin.view(n, B, -1), ctx_k, ctx_v, keep)
+        return out.reshape(n * B, -1)
+
+    return run_layer
+
+
+def selector_loss(selector, hidden, logits, predecessors, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selector cross-entropy over the top-K candidates of each row, scored with the true
+    predecessor; rows whose true token is not a candidate are left out. Returns (loss, recall).
+
+    ``hidden`` [m, H] final-normed draft rows, ``logits`` [m, V] their float32 logits,
+    ``predecessors`` / ``labels`` [m] the true previous and current tokens.
+    """
+    unary, candidates = torch.topk(logits.detach().float(), selector.top_k, dim=-1)
+    gate = selector.hidden_projection(hidden.detach()).float()
+    weighted = selector.predecessor_codebook[predecessors].float() * gate  # [m, r]
+    scores = unary + torch.einsum("mr,mkr->mk", weighted, selector.successor_codebook[candidates].float())
+    hit = candidates == labels[:, None]
+    found = hit.any(-1)
+    recall = found.float().mean()
+    if not bool(found.any()):
+        return scores.sum() * 0.0, recall
+    return F.cross_entropy(scores[found], hit[found].float().argmax(-1)), recall
+
+
+def dflash2_loss(model, target, features, tokens, anchors, cfg: DFlashConfig, selector_weight: float):
+    B = cfg.block_size
+    hidden = draft_forward(model, target, features, tokens, anchors, cfg, run_layer=blockwise(B))[:, 1:]
+    logits = target._head(hidden).float() * cfg.output_multiplier
+    offsets = torch.arange(1, B)[None, :]
+    labels = tokens[anchors[:, None] + offsets]
+    loss, metrics = weighted_block_ce(logits, labels, B)
+    predecessors = tokens[anchors[:, None] + offsets - 1]
+    sel, recall = selector_loss(model.candidate_selector, hidden.reshape(-1, hidden.shape[-1]),
+                                logits.reshape(-1, logits.shape[-1]), predecessors.reshape(-1), labels.reshape(-1))
+    return loss + selector_weight * sel, {**metrics, "selector": float(sel.detach()), "candidate_recall": float(recall)}
+
+
+def save_dflash2(model, out_dir: Path) -> None:
+    """model.safetensors in the published layout (codebooks without a ``.weight`` suffix)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().cpu().float() for k, v in model.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def train_dflash2(
+    target_dir: str | Path,
+    sequences: np.ndarray,
+    prompt_len: int,
+    out_dir: str | Path,
+    shape: DFlash2Shape = DFlash2Shape(),
+    settings: TrainSettings = TrainSettings(lr=6e-4),
+    batch: int = 4,
+) -> Path:
+    """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft."""
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    target = load_frozen_target(target_dir)
+    cfg = new_dflash2_config(target_dir, out_dir, shape)
+    model = init_dflash2(cfg, settings.seed)
+    capture = Capture(tuple(cfg.target_layer_ids))
+    S, B = sequences.shape[1], cfg.block_size
+    low, high = max(0, prompt_len - 1), S - B
+
+    def make_batch(step: int, rank: int):
+        rng = np.random.default_rng([settings.seed, step, rank])
+        rows = rng.integers(0, len(sequences), size=batch)
+        ids = torch.from_numpy(sequences[rows].astype(np.int64))
+        count = min(shape.anchors_per_sequence, high - low + 1)
+        anchors = [torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))) for _ in rows]
+        return ids, anchors
+
+    def loss_fn(model, batch_data):
+        ids, anchors = batch_data
+        inner = getattr(model, "module", model)
+        features, _ = capture_batch(target, ids, capture)
+        losses, metrics = [], []
+        for i in range(ids.shape[0]):
+            loss, m = dflash2_loss(inner, target, features[i], ids[i], anchors[i], cfg, shape.selector_weight)
+            losses.append(loss)
+            metrics.append(m)
+        return torch.stack(losses).mean(), ids.numel(), {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+
+    train(model, make_batch, loss_fn, settings, out_dir / "checkpoint", description="dflash2")
+    save_dflash2(model, out_dir)
+    (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
+                                                        "batch": batch, "sequences": int(len(sequences)),
+                                                        "sequence_length": int(S), "prompt_len": prompt_len}, indent=1))
+    return out_dir

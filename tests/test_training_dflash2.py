@@ -1,0 +1,166 @@
+"""DFlash2 training: identity initialisation equals DFlash, blocks never see each other through
+the convolutions, the loss decreases, candidate recall is reported, the saved draft loads in the
+published layout and decodes losslessly with a real acceptance length."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import speculant  # noqa: E402
+from speculant.training.loop import TrainSettings  # noqa: E402
+from test_training_mtp import sequences, target_and_stream, trained_target  # noqa: E402,F401  (module fixtures)
+
+SHAPE = dict(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=16, conv_group_size=16,
+             selector_rank=8, selector_top_k=4)
+
+
+def fresh_draft(trained_target, folder, seed=0):
+    from speculant.training.dflash2 import DFlash2Shape, init_dflash2, new_dflash2_config, save_dflash2
+
+    cfg = new_dflash2_config(trained_target, folder, DFlash2Shape(**SHAPE))
+    model = init_dflash2(cfg, seed)
+    save_dflash2(model, folder)
+    return cfg, model
+
+
+def test_untrained_dflash2_proposes_what_dflash_does(trained_target, sequences, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from speculant.drafters.dflash.config import published_config
+
+    cfg, _ = fresh_draft(trained_target, tmp_path / "v2")
+    # the same v1 tensors as a DFlash draft
+    tcfg = json.loads((trained_target / "config.json").read_text())
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "config.json").write_text(json.dumps(published_config(tcfg, cfg.mask_token_id, list(cfg.target_layer_ids),
+                                                                cfg.num_hidden_layers, cfg.block_size)))
+    state = load_file(str(tmp_path / "v2" / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if "conv" not in k and not k.startswith("candidate_selector")},
+              str(v1 / "model.safetensors"), metadata={"format": "pt"})
+    runs = {}
+    for kind, folder in (("dflash", v1), ("dflash2", tmp_path / "v2")):
+        engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+                                               "drafter": {"kind": kind, "path": str(folder)}})
+        runs[kind] = [engine.run(prompt_ids=sequences[r, :8].tolist(), max_new_tokens=24, ignore_eos=True).stats.acceptance_lengths
+                      for r in range(3)]
+    assert runs["dflash2"] == runs["dflash"]
+
+
+def test_identity_init_is_exactly_dflash(trained_target, sequences, tmp_path):
+    """Fresh DFlash2 layers compute the DFlash layers' hidden states, and the selector's scores
+    are the unary logits whatever the predecessor."""
+    from speculant.core.types import Capture
+    from speculant.drafters.dflash.torch import DFlashModel
+    from speculant.training.dflash import draft_forward
+    from speculant.training.dflash2 import blockwise
+    from speculant.training.features import capture_batch, load_frozen_target
+
+    cfg, model = fresh_draft(trained_target, tmp_path / "v2")
+    v1 = DFlashModel(cfg)
+    v1.load_state_dict({k: v for k, v in model.state_dict().items() if k in v1.state_dict()}, strict=True)
+    target = load_frozen_target(trained_target)
+    ids = torch.from_numpy(sequences[1].astype(np.int64))
+    features, _ = capture_batch(target, ids[None], Capture(tuple(cfg.target_layer_ids)))
+    anchors = torch.tensor([7, 15, 25])
+    with torch.no_grad():
+        two = draft_forward(model, target, features[0], ids, anchors, cfg, run_layer=blockwise(cfg.block_size))
+        one = draft_forward(v1, target, features[0], ids, anchors, cfg)
+        torch.testing.assert_close(two, one, atol=1e-6, rtol=1e-6)
+        hidden = two[0, 1:]
+        logits = target._head(hidden).float()
+        scores, _ = model.candidate_selector.score_table(hidden, logits, int(ids[7]))
+    unary = torch.topk(logits, cfg.selector_top_k, dim=-1).values
+    K = cfg.selector_top_k
+    torch.testing.assert_close(scores[:K], unary[0], atol=0, rtol=0)
+    torch.testing.assert_close(scores[K:].view(-1, K, K), unary[1:, None, :].expand(-1, K, K), atol=0, rtol=0)
+
+
+def test_blocks_run_separately(trained_target, sequences, tmp_path):
+    """Several anchors at once give what each anchor gives alone (no leakage across blocks
+    through the convolutions), also with non-identity convolutions."""
+    from speculant.core.types import Capture
+    from speculant.training.dflash import draft_forward
+    from speculant.training.dflash2 import blockwise
+    from speculant.training.features import capture_batch, load_frozen_target
+
+    cfg, model = fresh_draft(trained_target, tmp_path / "v2")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    target = load_frozen_target(trained_target)
+    ids = torch.from_numpy(sequences[2].astype(np.int64))
+    features, _ = capture_batch(target, ids[None], Capture(tuple(cfg.target_layer_ids)))
+    anchors = torch.tensor([7, 8, 11, 20, 30])
+    with torch.no_grad():
+        together = draft_forward(model, target, features[0], ids, anchors, cfg, run_layer=blockwise(cfg.block_size))
+        alone = torch.cat([draft_forward(model, target, features[0], ids, anchors[i : i + 1], cfg) for i in range(len(anchors))])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_dflash2_training_learns_and_is_lossless(trained_target, sequences, tmp_path):
+    from safetensors import safe_open
+
+    from speculant.training import dflash2 as mod
+
+    torch.set_num_threads(1)
+    history: list[float] = []
+    metrics: list[dict] = []
+    original_train, original_loss = mod.train, mod.dflash2_loss
+    mod.train = lambda *a, **k: history.extend(original_train(*a, **k)) or history
+
+    def recording_loss(*a, **k):
+        loss, m = original_loss(*a, **k)
+        metrics.append(m)
+        return loss, m
+
+    mod.dflash2_loss = recording_loss
+    try:
+        settings = TrainSettings(steps=100, lr=1e-2, bf16=False, checkpoint_every=100, warmup_ratio=0.1)
+        draft = mod.train_dflash2(trained_target, sequences, 8, tmp_path / "draft", mod.DFlash2Shape(**SHAPE), settings, batch=2)
+    finally:
+        mod.train, mod.dflash2_loss = original_train, original_loss
+    assert np.mean(history[-10:]) < 0.5 * np.mean(history[:5])
+    recall = [m["candidate_recall"] for m in metrics]
+    assert 0.0 <= min(recall) and np.mean(recall[-20:]) > 0.5
+    assert np.mean([m["selector"] for m in metrics[-20:]]) < np.mean([m["selector"] for m in metrics[:10]])
+
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
+    assert config["dflash_config"]["block_size"] == 4 and config["dflash_config"]["selector_top_k"] == 4
+    with safe_open(str(draft / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+        successor = fh.get_tensor("candidate_selector.successor_codebook")
+    assert "candidate_selector.predecessor_codebook" in names and "layers.0.attention_conv.base_kernel" in names
+    assert successor.abs().max() > 0  # the selector trained away from its identity start
+
+    spec = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+                                         "drafter": {"kind": "dflash2", "path": str(draft)}})
+    plain = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
+    taus = []
+    for row in range(4):
+        prompt = sequences[row, :8].tolist()
+        result = spec.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
+        assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True).token_ids
+        taus.append(result.stats.mean_acceptance_length)
+    assert np.mean(taus) > 1.5
+
+
+def test_cli_dflash2(trained_target, tmp_path):
+    from speculant.cli import main
+
+    torch.set_num_threads(1)
+    out = tmp_path / "cli"
+    argv = ["train", "dflash2", "--target", str(trained_target), "--out", str(out), "--sequences", "4", "--prompt-len", "8",
+            "--response-len", "16", "--block-size", "4", "--layers", "1", "--features", "2", "--selector-rank", "8",
+            "--selector-top-k", "4", "--anchors", "4", "--steps", "3", "--batch", "2", "--fp32", "--checkpoint-every", "3"]
+    assert main(argv) == 0
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+                                           "drafter": {"kind": "dflash2", "path": str(out)}})
+    assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6
