@@ -251,3 +251,13 @@ def test_llama_target_matches_torch_and_stays_lossless(llama_pair):
                                          "drafter": {"kind": "dflash", "path": str(llama_pair["draft"])}})
     for block in (3, 8):
         assert spec.run(block_size=block, **kw).token_ids == tokens
+
+
+def test_sliding_draft_layers_keep_window_minus_one_context_rows(planted_pair):
+    e = speculant.Engine.from_config({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
+                                      "target": {"path": str(planted_pair["target"])},
+                                      "drafter": {"kind": "dflash", "path": str(planted_pair["draft_swa"])}})
+    e.run(prompt_ids=list(range(20, 52)), max_new_tokens=20, block_size=4, ignore_eos=True)
+    assert [c.window for c in e.drafter.caches] == [8, 8]
+    assert all(c.length == 7 and c.keys.shape[2] == 7 for c in e.drafter.caches)
+    assert e.drafter.max_context == 7  # all layers slide: older feature rows are never projected
