@@ -39,7 +39,6 @@ BUILTIN_PLUGINS = (
     ("torch", "speculant.backends.torch.plugin"),
     ("mlx", "speculant.backends.mlx.plugin"),
     ("dflash", "speculant.drafters.dflash.plugin"),
-    ("dflash2", "speculant.drafters.dflash2.plugin"),
     ("mtp", "speculant.drafters.mtp.plugin"),
     ("dflash2", "speculant.drafters.dflash2.plugin"),
     ("verifiers", "speculant.verifiers.plugin"),

@@ -235,7 +235,7 @@ class TorchDFlashDrafter(Drafter):
         return ids
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.target.lm_head(hidden).float()
+        logits = self.target.lm_head(hidden.to(self.backend.dtype)).float()  # a quantized draft may compute in another dtype
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

@@ -34,10 +34,19 @@ def load_into(model, folder: str | Path, rename: dict[str, str] | None = None) -
 
 
 def load_torch_drafter(config, info, backend, target):
+    import torch
+
+    from speculant.drafters import quantization
     from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashDrafter
 
     cfg = info.extra["config"]
     model = DFlashModel(cfg)
     load_into(model, config.path)
-    model.to(device=backend._device, dtype=backend.dtype).eval().requires_grad_(False)
+    q = quantization.resolve(config.quantization)
+    dtype = backend.dtype
+    if q is not None:  # the draft computes in the spec's activation dtype
+        dtype = getattr(torch, quantization.activation_dtype(q, str(backend.dtype).removeprefix("torch.")))
+    model.to(device=backend._device, dtype=dtype).eval().requires_grad_(False)
+    if q is not None:
+        quantization.quantize_torch(model, q, quantization.exclude_for(info))
     return TorchDFlashDrafter(model, info, target, backend)
