@@ -156,3 +156,39 @@ def test_cli_trains_resumably(trained_target, tmp_path):
     engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "mtp", "path": str(tmp_path / "full")}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6
+
+
+def test_two_process_data_parallel_mtp(trained_target, sequences, tmp_path):
+    """Two CPU processes (torchrun; gloo): gradients are synchronised, so both ranks end with
+    the same weights, and only the main process writes the folder."""
+    import os
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "sequences.npy", sequences[:8])
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, sys, numpy as np, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from speculant.training import loop, mtp\n"
+        "from speculant.training.loop import TrainSettings\n"
+        "original = loop.train\n"
+        "def train(model, *a, **k):\n"
+        "    history = original(model, *a, **k)\n"
+        "    total = float(sum(p.double().sum() for p in model.parameters()))\n"
+        "    print(f\"RANK {os.environ['RANK']} {total!r}\", flush=True)\n"
+        "    return history\n"
+        "mtp.train = train\n"
+        "sequences = np.load(sys.argv[2])\n"
+        "mtp.train_mtp(sys.argv[1], sequences, 8, sys.argv[3],\n"
+        "              settings=TrainSettings(steps=3, lr=1e-2, bf16=False, checkpoint_every=3), batch=2)\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533", str(script),
+           str(trained_target), str(tmp_path / "sequences.npy"), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sums = dict(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RANK "))
+    assert sorted(sums) == ["0", "1"] and sums["0"] == sums["1"]
+    assert json.loads((tmp_path / "out" / "checkpoint" / "state.json").read_text())["step"] == 3
+    speculant.Engine.from_config({"target": {"path": str(trained_target)},
+                                  "drafter": {"kind": "mtp", "path": str(tmp_path / "out")}})

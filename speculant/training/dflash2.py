@@ -32,7 +32,7 @@ from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
 from speculant.training.dflash import default_layer_ids, draft_forward, weighted_block_ce
 from speculant.training.features import capture_batch, load_frozen_target
-from speculant.training.loop import TrainSettings, train
+from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
@@ -183,16 +183,17 @@ def train_dflash2(
 
     def loss_fn(model, batch_data):
         ids, anchors = batch_data
-        inner = getattr(model, "module", model)
         features, _ = capture_batch(target, ids, capture)
         losses, metrics = [], []
         for i in range(ids.shape[0]):
-            loss, m = dflash2_loss(inner, target, features[i], ids[i], anchors[i], cfg, shape.selector_weight)
+            loss, m = dflash2_loss(model, target, features[i], ids[i], anchors[i], cfg, shape.selector_weight)
             losses.append(loss)
             metrics.append(m)
         return torch.stack(losses).mean(), ids.numel(), {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
 
-    train(model, make_batch, loss_fn, settings, out_dir / "checkpoint", description="dflash2")
+    train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="dflash2")
+    if not is_main_process():
+        return out_dir
     save_dflash2(model, out_dir)
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
                                                         "batch": batch, "sequences": int(len(sequences)),

@@ -110,3 +110,28 @@ class _Progress:
     def close(self) -> None:
         if self.enabled:
             self.bar.stop()
+
+
+class Objective(torch.nn.Module):
+    """A trainable model plus its batch loss as one module whose ``forward(batch)`` returns
+    (loss, tokens, metrics): data parallelism synchronises gradients only through
+    ``forward``, so drafters whose training calls several of their methods go through this."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[[torch.nn.Module, object], tuple[torch.Tensor, int, dict]]) -> None:
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def forward(self, batch):
+        return self._loss(self.model, batch)
+
+
+def call_objective(model, batch):
+    """``loss_fn`` for :func:`train` over an :class:`Objective` (possibly wrapped for data parallelism)."""
+    return model(batch)
+
+
+def is_main_process() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process

@@ -28,7 +28,7 @@ from speculant.core.types import Capture
 from speculant.drafters.mtp.config import FAMILY_DEFAULTS, MTPConfig, MTPOptions, expected_tensors, parse_mtp
 from speculant.drafters.mtp.torch import LayerCache, MTPModel
 from speculant.training.features import capture_batch, load_frozen_target
-from speculant.training.loop import TrainSettings, train
+from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
 EXCLUDED_CONFIG_KEYS = ("architectures", "auto_map")
 
@@ -159,12 +159,14 @@ def train_mtp(
         _, final = capture_batch(target, ids, capture)
         losses, accs = [], []
         for i in range(ids.shape[0]):
-            loss, acc = mtp_loss(getattr(model, "module", model), target, final[i], ids[i], first_label)
+            loss, acc = mtp_loss(model, target, final[i], ids[i], first_label)
             losses.append(loss)
             accs.append(float(acc))
         return torch.stack(losses).mean(), ids.numel(), {"acc": float(np.mean(accs))}
 
-    train(model, make_batch, loss_fn, settings, out_dir / "checkpoint", description="mtp")
+    train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="mtp")
+    if not is_main_process():
+        return out_dir
     save_mtp(model, cfg, config, out_dir)
     check_loadable(out_dir, target_dir)
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
