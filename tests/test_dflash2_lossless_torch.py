@@ -208,3 +208,19 @@ def test_q_from_unary_logits_is_caught_end_to_end(pair, engines):
 
     selector.score_table, drafter.propose = spy, broken
     assert sampled_pvalue(eng, engines["plain"]) < 1e-6
+
+
+@pytest.mark.parametrize("spec", ["w8a32:gs64", "w4a16:gs32"])
+def test_quantized_draft_stays_lossless_and_keeps_selector_and_convs_float(pair, engines, spec):
+    pytest.importorskip("torchao")
+    import torch
+
+    eng = speculant.Engine.from_config({
+        "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},
+        "drafter": {"kind": "dflash2", "path": str(pair["dflash2"]), "quantization": spec}})
+    model = eng.drafter.model
+    assert type(model.layers[0].mlp.gate_proj.weight) is not torch.nn.Parameter  # a torchao tensor
+    for module in (model.layers[0].attention_conv.kernel_projection, model.candidate_selector.hidden_projection):
+        assert type(module.weight) is torch.nn.Parameter
+    plain = plain_tokens(engines, PROMPTS["short"], 30, ignore_eos=True)
+    assert eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True).token_ids == plain
