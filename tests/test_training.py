@@ -139,7 +139,7 @@ def test_dflash_training_learns_and_is_lossless(trained_target, tmp_path):
 
 
 def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):
-    """`accelerate launch` with two CPU processes runs the same trainer."""
+    """Two data-parallel CPU processes (torch.distributed.run) run the same trainer."""
     script = tmp_path / "run.py"
     script.write_text(
         "import sys\n"
@@ -158,11 +158,14 @@ def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):
         "    stream = encode_corpus(AutoTokenizer.from_pretrained(tok), TEXTS)\n"
         "    shape = TargetShape(64, 2, 4, 2, 16, 128, 256)\n"
         "    train_target(tok, stream, Path(out), shape, TrainSettings(steps=6, lr=1e-3, bf16=False, checkpoint_every=3), 2, 32)\n"
+        "    import os, torch.distributed as dist\n"
+        "    (Path(out) / f'rank{os.environ[\"RANK\"]}-of-{dist.get_world_size()}').touch()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tokenizer_dir), str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(script), str(tokenizer_dir), str(tmp_path / "out")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "out" / "model" / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "out").glob("rank*")) == ["rank0-of-2", "rank1-of-2"]
     assert json.loads((tmp_path / "out" / "checkpoint" / "state.json").read_text())["step"] == 6

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
 from speculant.training.features import capture_batch, load_frozen_target
-from speculant.training.loop import TrainSettings, train
+from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -169,7 +169,10 @@ def train_dflash(
             accs.append(metrics["acc1"])
         return torch.stack(losses).mean(), ids.numel(), {"acc1": float(np.mean(accs))}
 
-    train(model, make_batch, loss_fn, settings, out_dir / "checkpoint", description="dflash")
+    # through Objective.forward, so data-parallel runs average the gradients
+    train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="dflash")
+    if not is_main_process():
+        return out_dir
     state = {k: v.detach().contiguous().cpu().float() for k, v in model.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speculant.training.loop import TrainSettings, train
+from speculant.training.loop import TrainSettings, is_main_process, train
 
 
 @dataclass
@@ -82,6 +82,8 @@ def train_target(
         out_dir / "checkpoint",
         description="target",
     )
+    if not is_main_process():
+        return out_dir / "model"
     model.save_pretrained(str(out_dir / "model"), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir / "model"))
     (out_dir / "model" / "training.json").write_text(json.dumps({
