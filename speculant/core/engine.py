@@ -71,7 +71,8 @@ class Engine:
     def block_size(self) -> int:
         if self.drafter is None:
             return 1
-        return self.config.drafter.block_size or self.drafter.info.trained_block_size or 2
+        info = self.drafter.info
+        return self.config.drafter.block_size or info.default_block_size or info.trained_block_size or 2
 
     @property
     def tokenizer(self):
@@ -137,8 +138,9 @@ class Engine:
             generation_data["max_new_tokens"] = max_new_tokens
         sampling = SamplingConfig.model_validate(sampling_data)
         generation = GenerationConfig.model_validate(generation_data)
-        if self.drafter is not None and not 2 <= block <= (self.drafter.info.max_block_size or self.drafter.info.trained_block_size or block):
-            raise ValueError(f"block_size {block} is outside 2..{self.drafter.info.trained_block_size}")
+        limit = None if self.drafter is None else self.drafter.info.block_limit
+        if self.drafter is not None and not 2 <= block <= (limit or block):
+            raise ValueError(f"block_size {block} is outside 2..{limit}")
         return sampling, generation, block
 
     def _stop_ids(self, generation: GenerationConfig) -> set[int]:

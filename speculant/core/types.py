@@ -166,6 +166,7 @@ class DrafterInfo:
     uses_target_lm_head: bool = True
     trained_block_size: int | None = None
     max_block_size: int | None = None  # hard upper bound on the runtime block, if any
+    default_block_size: int | None = None  # runtime block when the config sets none (else trained)
     backends: tuple[str, ...] = ()
     proposal_kinds: tuple[ProposalKind, ...] = (ProposalKind.ONE_HOT,)
     can_sample: bool = False
@@ -174,6 +175,10 @@ class DrafterInfo:
     mask_token_id: int | None = None
     num_target_layers: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def block_limit(self) -> int | None:
+        return self.max_block_size or self.trained_block_size
 
     @property
     def capture(self) -> Capture:

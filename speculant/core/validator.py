@@ -197,7 +197,7 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
         add(Problem("drafter.path", f"mask_token_id {info.mask_token_id} is outside the target vocabulary (0..{target.vocab_size - 1})",
                     "fix dflash_config.mask_token_id"))
     block = d.block_size
-    limit = info.max_block_size or info.trained_block_size
+    limit = info.block_limit
     if block is not None:
         if block < 2:
             add(Problem("drafter.block_size", f"{block} is below 2 (one anchor plus at least one proposal)", "use a block size of at least 2"))

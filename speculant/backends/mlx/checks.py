@@ -30,7 +30,7 @@ def runtime_block(config, drafter) -> int | None:
         return config.drafter.block_size
     if drafter is None:
         return None
-    return drafter.max_block_size or drafter.trained_block_size
+    return drafter.block_limit
 
 
 def block_size_warning(config, target, drafter) -> Problem | None:

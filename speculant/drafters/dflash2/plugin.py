@@ -23,8 +23,8 @@ class DFlash2Factory(DFlashFactory):
     """Reads and validates ``DFlash2DraftModel`` checkpoints; loads them on PyTorch and MLX.
 
     Runtime block: 2..trained block. The default is the trained block on PyTorch and
-    ``min(5, trained block)`` on MLX, reported there as ``DrafterInfo.trained_block_size``
-    (the engine's default) while ``max_block_size`` keeps the trained block as the limit.
+    ``min(5, trained block)`` on MLX (``DrafterInfo.default_block_size``): verify cost grows
+    with width there.
     """
 
     name = "dflash2"
@@ -41,7 +41,7 @@ class DFlash2Factory(DFlashFactory):
         if info is not None:
             problems += check_dflash2_values(info.extra["config"])
             if backend == "mlx":
-                info = dataclasses.replace(info, trained_block_size=min(MLX_DEFAULT_BLOCK, info.max_block_size))
+                info = dataclasses.replace(info, default_block_size=min(MLX_DEFAULT_BLOCK, info.trained_block_size))
         return info, problems
 
     def check_tensors(self, path, cfg):
