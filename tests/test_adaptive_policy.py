@@ -119,7 +119,8 @@ def test_perfect_acceptance_uses_the_full_width():
     v = AdaptiveVerifier()
     widths = drive(v, 200, perfect, FLAT)
     assert widths[0] == K and widths[1] == 0  # warm-up: full width, then a plain step
-    assert sum(w == K for w in widths[2:]) >= 0.95 * len(widths[2:])
+    # besides a few plain re-measurements and explorations of unmeasured widths
+    assert sum(w == K for w in widths[2:]) >= 0.92 * len(widths[2:])
     # plain steps until the plain-step cost has 3 samples in each context bucket (3 buckets here)
     assert 2 <= v.decisions()["fallback_cycles"].get("refresh", 0) <= 8
     assert v.decisions()["acceptance"][:3] == pytest.approx([1.0, 1.0, 1.0], abs=0.1)
@@ -158,15 +159,31 @@ def test_acceptance_that_collapses_and_recovers():
 
     widths = drive(v, sum(p[0] for p in phases), accept, FLAT)
     good1, bad, good2 = widths[:80], widths[80:380], widths[380:]
-    assert sum(w == K for w in good1[2:]) >= 0.93 * 78
+    assert sum(w == K for w in good1[2:]) >= 0.9 * 78
     actions = v.decisions()["actions"][80:380]
-    assert set(actions[6:]) == {"plain:cost", "probe"}  # fallback within a few cycles, then probes
-    assert 4 <= actions[6:].count("probe") <= 16
+    assert set(actions[10:]) == {"plain:cost", "probe"}  # fallback within a few cycles, then probes
+    assert 4 <= actions[10:].count("probe") <= 16
     recovered = next(i for i, w in enumerate(good2) if w == K and good2[i + 1] == K)
     assert recovered <= 64 + 2  # at the next probe at the latest
     assert sum(w == K for w in good2[recovered:]) >= 0.95 * len(good2[recovered:])
     modes = [e["mode"] for e in v.decisions()["events"]]
     assert "fallback" in modes and modes[-1] == "speculate"
+
+
+def test_new_requests_probe_early_but_less_often_while_probes_fail():
+    v = AdaptiveVerifier({"max_probe_interval": 512})
+    probed = []
+    for request in range(14):
+        v.begin(10)
+        drive(v, 30, never, FLAT, start=10)
+        probed.append("probe" in v.decisions()["actions"])
+    assert probed[:2] == [True, True] and 3 <= sum(probed[2:]) <= 5  # then every 4th request
+    for request in range(4):  # an easy request is noticed within a few requests
+        v.begin(10)
+        widths = drive(v, 30, perfect, FLAT, start=10)
+        if widths[-1] == K:
+            break
+    assert widths[-1] == K and request < 4
 
 
 def test_partial_acceptance_on_staircase_costs_settles_on_the_stair_edge():
@@ -184,7 +201,8 @@ def test_non_monotone_costs_find_the_cheap_width():
     widths = drive(v, 300, perfect, costs, noise=0.1)
     tail = widths[60:]
     assert sum(w == 14 for w in tail) >= 0.85 * len(tail)
-    assert v.decisions()["cost"]["target"][14] == pytest.approx(1.05, rel=0.15)
+    est = v.decisions()["cost"]["target"]  # relative costs: only ratios are meaningful
+    assert est[14] / est[12] == pytest.approx(1.05, rel=0.15) and est[13] > est[14] < est[15]
 
 
 def test_fixed_cost_table_option_is_used_instead_of_timings():
@@ -311,7 +329,7 @@ def test_cost_model_learns_a_measured_staircase():
     est = model.target_s(16, 300)
     for w in (1, 4, 5, 8, 16):
         assert est[w - 1] == pytest.approx(STAIRS[w - 1], rel=0.12)
-    assert all(b >= a * 0.9 for a, b in zip(est, est[1:]))  # unmeasured widths follow the fit
+    assert all(STAIRS[0] * 0.9 <= e <= STAIRS[-1] * 1.1 for e in est)  # unmeasured widths follow the line
 
 
 def test_cost_model_clips_spikes_and_distrusts_early_spikes():
@@ -320,13 +338,30 @@ def test_cost_model_clips_spikes_and_distrusts_early_spikes():
         model.add_target(1, 50, 1e-3)
         model.add_target(16, 50, 1.2e-3)
     model.add_target(16, 50, 1.0)  # a descheduling spike
-    assert model.target_s(16, 50)[-1] < 2.5e-3
+    est = model.target_s(16, 50)
+    assert est[-1] / est[0] < 2.0
     model.add_target(8, 50, 5e-3)  # width 8's first sample is a spike, its second is not
     model.add_target(8, 50, 1.1e-3)
-    assert model.target_s(16, 50)[7] == pytest.approx(1.1e-3)
-    for _ in range(10):  # with more samples the running mean takes over
-        model.add_target(8, 50, 1.3e-3)
-    assert model.target_s(16, 50)[7] == pytest.approx(1.3e-3, rel=0.1)
+    est = model.target_s(16, 50)
+    line = est[0] + (est[-1] - est[0]) * 7 / 15
+    assert est[7] == pytest.approx(line, rel=0.1)  # too few samples: it follows the line
+    for _ in range(10):
+        for w, t in ((1, 1e-3), (8, 1.3e-3), (16, 1.2e-3)):  # 8 rows really cost more than 16
+            model.add_target(w, 50, t)
+    est = model.target_s(16, 50)
+    assert est[7] / est[0] == pytest.approx(1.3, rel=0.1)
+
+
+def test_cost_model_tracks_the_machine_load_without_distorting_ratios():
+    model = CostModel()
+    for load in [1.0] * 10 + [3.0] * 10 + [1.5] * 10:  # other processes come and go
+        for w, t in ((1, 1e-3), (8, 1.2e-3), (16, 1.5e-3)):
+            model.add_target(w, 50, t * load)
+    est = model.target_s(16, 50)
+    assert est[7] / est[0] == pytest.approx(1.2, rel=0.05) and est[15] / est[0] == pytest.approx(1.5, rel=0.05)
+    assert model.load == pytest.approx(1.5, rel=0.2)
+    model.add_target(4, 50, 1.1e-3 * 1.5)  # a width first measured under load is not penalised
+    assert model.target_s(16, 50)[3] / est[0] == pytest.approx(1.1, rel=0.1)
 
 
 def test_cost_model_borrows_across_context_buckets_with_scaling():

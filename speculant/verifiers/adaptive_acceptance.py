@@ -3,7 +3,9 @@
 It estimates the survival S_j = P(the first j drafts are all accepted) for every block
 position j from cycles that submitted at least j drafts, with exponentially forgotten counts
 (``decay`` per cycle, observed or not) shrunk towards ``S_{j-1} * prior``, and kept
-non-increasing in j. A position not submitted lately therefore drifts towards "as good as the
+non-increasing in j. The prior is the long-run rate at which reached drafts were accepted
+(forgotten a hundred times more slowly), starting from ``prior_acceptance``: after a long
+fallback the estimates return to what this drafter usually achieves, not to a fixed guess. A position not submitted lately therefore drifts towards "as good as the
 previous one, times the prior", and when the first positions collapse every deeper position
 collapses with them at once (a conditional-rate model would keep trusting stale deep
 positions). Conditional rates a_j = S_j / S_{j-1} give ``E(n) = 1 + sum_{j<=n} S_j``.
@@ -26,6 +28,8 @@ from typing import Sequence
 
 BINS = 8
 EPS = 1e-3
+LONG_DECAY = 0.995  # per cycle, for the long-run acceptance rate that serves as the prior
+LONG_WEIGHT = 2.0  # pseudo-draws of the initial prior in that long-run rate
 
 
 def squash(value: float, scores: bool) -> float:
@@ -67,7 +71,9 @@ class AcceptanceModel:
                  confidence_weight: float = 4.0, confidence_decay: float = 0.99) -> None:
         self.decay = decay
         self.confidence_decay = confidence_decay
+        self.initial_prior = prior
         self.prior = prior
+        self.long_accepted = self.long_reached = 0.0  # every reached draft, forgotten slowly
         self.weight = prior_weight
         self.confidence_weight = confidence_weight
         self.survived: list[float] = []  # per position j: cycles that accepted >= j drafts
@@ -84,6 +90,8 @@ class AcceptanceModel:
         """One cycle passed: forget a little of everything."""
         self.scale *= self.decay
         self.bin_scale *= self.confidence_decay
+        self.long_accepted *= LONG_DECAY
+        self.long_reached *= LONG_DECAY
         self._renormalise()
         self._cache = None
 
@@ -176,6 +184,9 @@ class AcceptanceModel:
             self.survived.append(0.0)
         unit, bin_unit = 1.0 / self.scale, 1.0 / self.bin_scale
         reached = min(accepted + 1, submitted)
+        self.long_reached += reached
+        self.long_accepted += min(accepted, reached)
+        self.prior = (self.long_accepted + LONG_WEIGHT * self.initial_prior) / (self.long_reached + LONG_WEIGHT)
         predicted = self.position_rates(reached) if confidence else ()
         self._cache = None
         for j in range(submitted):

@@ -2,17 +2,22 @@
 
 Target forward time is kept per verify width (rows in the forward: anchor + submitted drafts)
 and per context bucket (half-octaves of the context length from 256 on), because long
-contexts make every forward slower and can change the shape of the cost curve. A width not
-yet measured in the current bucket is borrowed from the nearest bucket that has it, scaled by
-a width both buckets measured. Measured widths keep their own values (cost curves need not be
-monotone); a width never measured costs what a non-decreasing fit over the measured ones
-(isotonic regression weighted by sample counts) gives the nearest narrower measured width. Draft time (``Drafter.propose``) and the per-cycle rest
-(drafter commit + verification) are single running averages.
+contexts make every forward slower and can change the shape of the cost curve. A width's
+entry in the current bucket is pooled with the most precise entry of another bucket, scaled by
+a width both buckets measured. Each width's mean is pulled towards a straight line over all
+widths as far as its own noise requires (clean timings keep steps and dips, noisy ones lean
+on the line); a width never measured costs the line. Draft time (``Drafter.propose``) and the per-cycle rest (drafter commit +
+verification) are single running averages.
 
-Samples update running means (plain averages for the first few, then exponentially weighted),
-clipped to a factor of three around the current mean so one descheduling spike on a shared
-machine cannot wreck an entry. A fixed relative cost table can replace the measurements
-(``cost_table``), for hand-profiled machines and for tests.
+Samples update robust running means: the median of the first three, then exponentially
+weighted, each sample clipped to a factor of three around the mean. On a shared machine
+everything slows down and speeds up together as other processes come and go; a width
+measured while the machine was busy would look expensive next to one measured while it was
+idle, and the policy would chase the load. So a common ``load`` factor is tracked (how much
+slower each target forward is than its width's estimate, exponentially weighted in log
+space) and every sample is stored divided by it: estimates are relative costs in one unit,
+and decisions depend only on their ratios, which the load does not change. A fixed relative
+cost table can replace the measurements (``cost_table``), for hand-profiled machines and tests.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import math
 from typing import Sequence
 
 SPIKE_FACTOR = 3.0
-WEIGHT_CAP = 16.0  # a width's weight (in samples) stops growing here
+LOAD_ALPHA = 0.3  # how fast the common slow-down of all timings (other processes' load) is tracked
+DEVIATION = 0.05  # prior spread of a width's true cost around the line (relative)
 REFIT_EVERY = 4  # samples between re-estimations (estimates move slowly; the policy runs every cycle)
 
 
@@ -33,19 +39,19 @@ def context_bucket(context_length: int) -> int:
 
 
 class RunningMean:
-    """A robust running mean of timing samples.
+    """A robust running mean and variance of timing samples.
 
-    Delays on a busy machine only ever add time. Until ``TRUSTED`` samples exist, ``value`` is
-    the smallest one (an early spike must not make a width look expensive; a lucky low sample
-    is corrected as soon as the width is used); then the mean starts at their median and
-    follows later samples exponentially, each clipped to a factor of ``SPIKE_FACTOR``.
+    The mean starts at the median of the first ``TRUSTED`` samples and the variance at their
+    median absolute deviation (one early spike sets neither), then both follow later samples
+    exponentially, each sample clipped to a factor of ``SPIKE_FACTOR`` around the mean.
     """
 
-    __slots__ = ("mean", "count", "first")
+    __slots__ = ("mean", "var", "count", "first")
     TRUSTED = 3
 
     def __init__(self) -> None:
         self.mean = 0.0
+        self.var = 0.0
         self.count = 0
         self.first: list[float] = []
 
@@ -53,14 +59,25 @@ class RunningMean:
         self.count += 1
         if self.count <= self.TRUSTED:
             self.first.append(value)
-            self.mean = sorted(self.first)[(len(self.first) - 1) // 2]
+            self.mean = _median(self.first)
+            self.var = (1.4826 * _median([abs(v - self.mean) for v in self.first])) ** 2  # robust (MAD)
             return
         value = min(max(value, self.mean / SPIKE_FACTOR), self.mean * SPIKE_FACTOR)
-        self.mean += (value - self.mean) * alpha
+        delta = value - self.mean
+        self.mean += alpha * delta
+        self.var = (1 - alpha) * (self.var + alpha * delta * delta)
 
-    @property
-    def value(self) -> float:
-        return min(self.first) if self.count < self.TRUSTED else self.mean
+    def mean_variance(self, alpha: float) -> float:
+        """Variance of ``mean`` as an estimate (sample variance over the effective sample count),
+        never below that of an assumed 5 % noise; large until ``TRUSTED`` samples exist."""
+        if self.count < self.TRUSTED:
+            return (0.5 * self.mean) ** 2
+        effective = min(float(self.count), (2.0 - alpha) / alpha)
+        return max(self.var, (0.05 * self.mean) ** 2) / effective
+
+
+def _median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 class CostModel:
@@ -73,6 +90,7 @@ class CostModel:
         self.buckets: dict[int, dict[int, RunningMean]] = {}
         self.draft = RunningMean()
         self.rest = RunningMean()
+        self.load = 1.0  # how much slower the machine runs now than in the estimates' unit
         self._version = 0  # samples taken
         self._widths = 0  # entries created
         self._cache: tuple | None = None
@@ -82,19 +100,27 @@ class CostModel:
         if self.table is not None or seconds <= 0.0:
             return
         entries = self.buckets.setdefault(context_bucket(context_length), {})
-        if width not in entries:
-            entries[width] = RunningMean()
+        entry = entries.get(width)
+        if entry is None:
+            entry = entries[width] = RunningMean()
             self._widths += 1  # a new entry changes the estimates at once
-        entries[width].add(seconds, self.alpha)
+        elif entry.count >= RunningMean.TRUSTED:  # how much slower than expected is everything now?
+            ratio = min(max(seconds / (entry.mean * self.load), 1.0 / SPIKE_FACTOR), SPIKE_FACTOR)
+            self.load *= ratio ** LOAD_ALPHA
+        entry.add(seconds / self.load, self.alpha)
         self._version += 1
 
     def add_draft(self, seconds: float) -> None:
         if seconds > 0.0:
-            self.draft.add(seconds, self.alpha)
+            self.draft.add(seconds / self.load, self.alpha)
 
     def add_rest(self, seconds: float) -> None:
         if seconds > 0.0:
-            self.rest.add(seconds, self.alpha)
+            self.rest.add(seconds / self.load, self.alpha)
+
+    def deflate(self, seconds: float) -> float:
+        """Wall seconds measured now, in the unit of the estimates (load removed)."""
+        return seconds / self.load if self.table is None else seconds
 
     # -- estimates ---------------------------------------------------------------------------
     def measured(self, width: int, context_length: int) -> int:
@@ -110,60 +136,84 @@ class CostModel:
     def rest_s(self) -> float:
         return 0.0 if self.table is not None else self.rest.mean
 
-    def target_s(self, max_width: int, context_length: int) -> list[float]:
-        """Estimated seconds of a forward of width 1..max_width (index 0 = width 1)."""
+    def target_s(self, max_width: int, context_length: int, optimistic: bool = False) -> list[float]:
+        """Estimated seconds of a forward of width 1..max_width (index 0 = width 1); with
+        ``optimistic``, lower confidence bounds (two standard errors below) for exploring."""
         if self.table is not None:
             t = self.table
             return [t[min(w, len(t)) - 1] for w in range(1, max_width + 1)]
         key = (max_width, context_bucket(context_length), self._widths)
         if self._cache is None or self._cache[0] != key or self._version - self._cache[1] >= REFIT_EVERY:
-            self._cache = (key, self._version, self._estimate(max_width, key[1]))
-        return self._cache[2]
+            self._cache = (key, self._version, *self._estimate(max_width, key[1]))
+        return self._cache[3] if optimistic else self._cache[2]
 
-    def _estimate(self, max_width: int, bucket: int) -> list[float]:
-        """Each measured width at its own running mean; an unmeasured width at what a
-        non-decreasing fit over the measured ones gives the nearest narrower measured width.
+    def _estimate(self, max_width: int, bucket: int) -> tuple[list[float], list[float]]:
+        """Per-width means pulled towards a line over all widths as far as their noise requires.
 
-        Real cost curves need not be monotone (BLAS kernels change with the row count, so a
-        forward of 15 rows can cost less than one of 14), so measured widths keep their own
-        values. For widths never measured the fit (weighted isotonic regression, pooling
-        adjacent violators) is the optimistic guess: the policy tries such a width when it
-        might pay, and then it is measured.
+        Real cost curves have steps and dips (kernels change with the row count, graphs pad to
+        captured sizes), but on a busy machine wall-clock samples are noisy and raw means would
+        favour whichever width had lucky samples, and invent steps between widths measured at
+        different times. So each width's estimate is the empirical-Bayes blend
+        ``fit + lam * (mean - fit)``, ``lam = tau^2 / (tau^2 + var(mean))``, ``tau`` =
+        ``DEVIATION`` of the fit, where the fit is a precision-weighted straight line in the
+        width (never decreasing): clean timings keep their own steps and dips, noisy ones lean
+        on the line. A width never measured costs the line. Also returns lower confidence
+        bounds (two standard errors below; ``2 * DEVIATION`` below the line when unmeasured) for
+        exploring.
         """
         points = self._points(bucket)
         if not points:
-            return [1.0] * max_width  # nothing measured yet: every width looks the same
-        widths = sorted(points)
-        fitted = dict(zip(widths, isotonic([points[w][0] for w in widths], [points[w][1] for w in widths])))
-        out = []
-        lower = fitted[widths[0]]
+            return [1.0] * max_width, [1.0] * max_width  # nothing measured yet: all widths alike
+        weights = {w: 1.0 / max(var, 1e-30) for w, (_, var) in points.items()}
+        total = sum(weights.values())
+        w_bar = sum(w * q for w, q in weights.items()) / total
+        t_bar = sum(points[w][0] * q for w, q in weights.items()) / total
+        spread = sum(q * (w - w_bar) ** 2 for w, q in weights.items())
+        slope = max(0.0, sum(q * (w - w_bar) * (points[w][0] - t_bar) for w, q in weights.items()) / spread) if spread > 0 else 0.0
+        floor = 0.5 * min(m for m, _ in points.values())
+        out, low = [], []
         for w in range(1, max_width + 1):
+            fit = max(t_bar + slope * (w - w_bar), floor)
+            tau2 = (DEVIATION * fit) ** 2
             if w in points:
-                lower = fitted[w]
-                out.append(points[w][0])
+                mean, var = points[w]
+                blend = tau2 / (tau2 + var)
+                out.append(fit + blend * (mean - fit))
+                low.append(max(out[-1] - 2.0 * math.sqrt(blend * var), 0.5 * out[-1]))
             else:
-                out.append(lower)
-        return out
+                out.append(fit)
+                low.append(fit * (1.0 - 2.0 * DEVIATION))
+        return out, low
 
     def _points(self, bucket: int) -> dict[int, tuple[float, float]]:
-        """(mean, weight) per width for ``bucket``: its own entries, else borrowed from the
-        nearest bucket that measured the width, scaled by a width both measured, at half weight."""
+        """(mean, variance of the mean) per width for ``bucket``: its own entry pooled (by
+        precision) with the most precise entry of another bucket, scaled by a width both
+        buckets measured, its variance doubled per bucket of distance."""
+        alpha = self.alpha
         here = self.buckets.get(bucket, {})
-        points = {w: (e.value, min(float(e.count), WEIGHT_CAP)) for w, e in here.items()}
-        for b in sorted(self.buckets, key=lambda b: (abs(b - bucket), b)):
+        borrowed: dict[int, tuple[float, float]] = {}
+        for b, there in self.buckets.items():
             if b == bucket:
-                continue
-            there = self.buckets[b]
-            missing = [w for w in there if w not in points]
-            if not missing:
                 continue
             shared = [w for w in here if w in there]
             scale = 1.0
             if shared:
-                ref = max(shared, key=lambda w: here[w].count)
-                scale = here[ref].value / there[ref].value
-            for w in missing:
-                points[w] = (there[w].value * scale, 0.5 * min(float(there[w].count), WEIGHT_CAP))
+                ref = max(shared, key=lambda w: min(here[w].count, there[w].count))
+                scale = here[ref].mean / there[ref].mean
+            penalty = 2.0 ** abs(b - bucket) * scale * scale
+            for w, e in there.items():
+                candidate = (e.mean * scale, e.mean_variance(alpha) * penalty)
+                if w not in borrowed or candidate[1] < borrowed[w][1]:
+                    borrowed[w] = candidate
+        points = {}
+        for w in set(here) | set(borrowed):
+            own = (here[w].mean, here[w].mean_variance(alpha)) if w in here else None
+            other = borrowed.get(w)
+            if own is None or other is None:
+                points[w] = own or other
+                continue
+            p1, p2 = 1.0 / max(own[1], 1e-30), 1.0 / max(other[1], 1e-30)
+            points[w] = ((own[0] * p1 + other[0] * p2) / (p1 + p2), 1.0 / (p1 + p2))
         return points
 
     def snapshot(self, max_width: int, context_length: int) -> dict:
@@ -175,19 +225,5 @@ class CostModel:
             "draft": round(self.draft_s() * scale, 4),
             "rest": round(self.rest_s() * scale, 4),
             "context_bucket": context_bucket(context_length),
+            "load": round(self.load, 4),
         }
-
-
-def isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for v, w in zip(values, weights):
-        blocks.append([v, max(w, 1e-9), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    out: list[float] = []
-    for mean, _, length in blocks:
-        out.extend([mean] * int(length))
-    return out

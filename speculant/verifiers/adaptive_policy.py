@@ -19,8 +19,9 @@ cost no more than one), up to ``probe_cycles`` times until the first draft passe
 next cycle submits the full width, and if a probe cycle beat plain decoding in tokens per
 second, speculation resumes. A failed probe doubles the interval, from ``probe_interval`` up
 to ``max_probe_interval`` and never below what keeps failing probes within ``probe_budget`` of
-plain-decoding time; every new request probes within ``probe_interval`` cycles
-(``probe_each_request``). While
+plain-decoding time; a new request probes within ``probe_interval`` cycles
+(``probe_each_request``), every request at first, every 2nd and then every 4th while those
+probes keep failing. While
 speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
 is close to competitive, and every 8 cycles while the plain-step cost at this context length
 rests on fewer than three samples. The first cycles of a policy's life are a warm-up: one full-width
@@ -42,6 +43,7 @@ from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_to
 from speculant.verifiers.adaptive_cost import CostModel, RunningMean
 
 TRUSTED = RunningMean.TRUSTED
+MAX_REQUEST_GAP = 4  # at least every 4th request probes early while in fallback
 REFRESH_SOON = 8  # speculative cycles between plain steps while the plain-step cost is uncertain
 
 
@@ -64,8 +66,8 @@ class AdaptiveOptions(BaseModel):
     refresh_interval: int = Field(64, ge=1, description="speculative cycles between plain-step re-measurements")
     request_carryover: float = Field(0.5, ge=0.0, le=1.0, description="share of acceptance evidence a new request keeps")
     warmup: bool = True
-    explore_every: int = Field(16, ge=0, description="every n-th speculative cycle verifies a near-best width instead (0 = never)")
-    cost_alpha: float = Field(0.2, gt=0.0, le=1.0, description="weight of a new timing sample")
+    explore_every: int = Field(16, ge=0, description="every n-th speculative cycle decides on optimistic costs (0 = never)")
+    cost_alpha: float = Field(0.1, gt=0.0, le=1.0, description="weight of a new timing sample")
     cost_table: list[float] | None = Field(None, min_length=1, description="fixed target cost per width 1, 2, ... (any unit)")
     draft_cost: float | None = Field(None, ge=0.0, description="fixed draft cost, same unit as cost_table")
 
@@ -98,6 +100,9 @@ class AdaptivePolicy:
         self.countdown = 0
         self.probe_stage = "narrow"  # a probe submits one draft first, the full width if it passed
         self.probe_tries = 0
+        self.request_gap = 1  # requests between request-start probes while they keep failing
+        self.requests_waited = 0
+        self.request_probe = False  # the current probe was scheduled by a request start
         self.since_plain = 0
         self.speculated = 0  # speculative decisions made (schedules exploration)
         self.rate = 0.0
@@ -163,7 +168,7 @@ class AdaptivePolicy:
         gains = expected_tokens(probs)
         self.speculated += 1
         explore = self.o.explore_every and self.speculated % self.o.explore_every == 0
-        best = best_width(gains, self.costs.target_s(k + 1, context_length), self.rate, explore=explore)
+        best = best_width(gains, self.costs.target_s(k + 1, context_length, optimistic=bool(explore)), self.rate)
         self.predicted = token_distribution(probs[:best])
         if best == 0:
             self.action = "plain:confidence"
@@ -181,7 +186,7 @@ class AdaptivePolicy:
                 self.costs.add_draft(timing.draft_s)
             self.costs.add_rest(timing.commit_s + verify_s)
             self.context_length = timing.context_length
-            cycle_s = timing.target_s + timing.draft_s + timing.commit_s + verify_s
+            cycle_s = self.costs.deflate(timing.target_s + timing.draft_s + timing.commit_s + verify_s)
         if submitted:
             self.acceptance.observe(submitted, accepted, self.confidence)
             change = self.drift.update(accepted + 1, self.predicted)
@@ -209,26 +214,34 @@ class AdaptivePolicy:
         return max([n for n in range(1, k + 1) if costs[n] <= limit], default=min(1, k))
 
     def _after_probe(self, submitted: int, accepted: int, cycle_s: float) -> None:
-        """A probe cycle that beat plain decoding (its own tokens per second) resumes
-        speculation; a narrow one whose first draft passed escalates to a full-width probe;
-        any other outcome waits twice as long (at least the budget interval) for the next."""
+        """Resume speculating when a probe's first draft passed and either the acceptance model
+        (now holding the probe's evidence) or the probe cycle itself (tokens per second) beats
+        plain decoding. A narrow probe that passed but does not yet show that escalates to one
+        full-width cycle; a rejected first draft is retried up to ``probe_cycles`` times. Any
+        other outcome waits twice as long (at least the budget interval) for the next probe."""
         est = self.estimate(self.k_block, self.context_length)
-        timed = self.costs.table is None and cycle_s > 0.0
-        rate = (accepted + 1) / cycle_s if timed else est.spec_rate
-        if rate >= est.plain_rate:
-            self.mode = "speculate"
-            self._event("speculate", f"probe: {rate:.1f} tok/s >= plain {est.plain_rate:.1f} tok/s", est)
-            return
-        if self.probe_stage == "narrow" and submitted < self.k:
+        narrow = self.probe_stage == "narrow" and submitted < self.k
+        if accepted == 0:
             self.probe_tries += 1
-            if accepted >= 1:
+            if narrow and self.probe_tries < self.o.probe_cycles:  # the anchor may just have been a bad one
+                return
+            what = f"first draft rejected {self.probe_tries} time(s)"
+        else:
+            timed = self.costs.table is None and cycle_s > 0.0
+            rate = (accepted + 1) / cycle_s if timed else est.spec_rate
+            if max(rate, est.spec_rate) >= est.plain_rate:
+                self.mode, self.request_gap, self.request_probe = "speculate", 1, False
+                self._event("speculate", f"probe: {accepted} draft(s) accepted; speculative {max(rate, est.spec_rate):.1f} "
+                            f"tok/s >= plain {est.plain_rate:.1f} tok/s", est)
+                return
+            if narrow:
                 self.probe_stage = "full"
                 return
-            if self.probe_tries < self.o.probe_cycles:  # the anchor may just have been a bad one
-                return
+            what = f"speculative {max(rate, est.spec_rate):.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
         self.interval = min(max(2 * self.interval, self.min_interval()), self.o.max_probe_interval)
         self.mode, self.countdown = "fallback", self.interval
-        what = f"first draft rejected {self.probe_tries} times" if accepted == 0 else f"{rate:.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
+        if self.request_probe:
+            self.request_gap, self.request_probe = min(2 * self.request_gap, MAX_REQUEST_GAP), False
         self._event("fallback", f"probe: {what}; next probe in {self.interval} cycles", est)
 
     # -- estimates ---------------------------------------------------------------------------
@@ -255,8 +268,13 @@ class AdaptivePolicy:
         self.cycle = 0
         self.acceptance.forget(self.o.request_carryover)
         self.drift.reset()
-        if self.mode == "fallback" and self.o.probe_each_request:  # a new request may be easier;
-            self.countdown = min(self.countdown, self.o.probe_interval)  # its first tokens are atypical
+        self.requests_waited += 1
+        if self.mode == "fallback" and self.o.probe_each_request and self.requests_waited >= self.request_gap:
+            # a new request may be easier (its first tokens are atypical, so not at once); after
+            # failed request-start probes only every 2nd, then every 4th request probes early
+            self.countdown = min(self.countdown, self.o.probe_interval)
+            self.requests_waited = 0
+            self.request_probe = True
 
     def _plain(self, reason: str) -> bool:
         self.action = reason
@@ -346,23 +364,11 @@ def best_rate(gains: Sequence[float], costs: Sequence[float], draft: float, rest
     return best, best_n
 
 
-def best_width(gains: Sequence[float], costs: Sequence[float], rate: float, explore: bool = False) -> int:
-    """The n in 0..k maximising E(n) - rate * T(n+1) (ties go to the smaller n).
-
-    With ``explore``, the runner-up instead when its value is within ``EXPLORE_MARGIN`` tokens
-    of the best (so near-equal widths keep being measured, and one unlucky timing sample
-    cannot hide a width for good).
-    """
-    values = [g - rate * c for g, c in zip(gains, costs)]
-    best = 0
-    for n in range(1, len(values)):
-        if values[n] > values[best] + 1e-12 * max(1.0, abs(values[best])):
-            best = n
-    if explore and len(values) > 1:
-        runner = max((n for n in range(len(values)) if n != best), key=lambda n: (values[n], -n))
-        if runner > 0 and values[runner] >= values[best] - EXPLORE_MARGIN * gains[best]:
-            return runner
+def best_width(gains: Sequence[float], costs: Sequence[float], rate: float) -> int:
+    """The n in 0..k maximising E(n) - rate * T(n+1) (ties go to the smaller n)."""
+    best, best_value = 0, gains[0] - rate * costs[0]
+    for n in range(1, len(gains)):
+        value = gains[n] - rate * costs[n]
+        if value > best_value + 1e-12 * max(1.0, abs(best_value)):
+            best, best_value = n, value
     return best
-
-
-EXPLORE_MARGIN = 0.05
