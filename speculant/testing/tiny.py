@@ -23,28 +23,14 @@ CORPUS = [
     "while True:\n    break\n",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
 ]
-EOS_TOKEN = "<|endoftext|>"
-MASK_TOKEN = "<|mask|>"
+from speculant.training.tokenizer import EOS_TOKEN, MASK_TOKEN  # noqa: E402,F401  (re-exported)
 
 
 def build_tokenizer(path: Path, vocab_size: int = 320):
-    """A byte-level BPE tokenizer.json with an end-of-text and a mask token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer.json with an end-of-text and a mask token (the trainer's)."""
+    from speculant.training.tokenizer import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, MASK_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, mask_token=MASK_TOKEN)
-    fast.save_pretrained(str(path))
-    return fast
+    return train_tokenizer(CORPUS * 4, path, vocab_size)
 
 
 def build_tiny_target(

@@ -33,20 +33,26 @@ def load_into(model, folder: str | Path, rename: dict[str, str] | None = None) -
     model.load_state_dict(state, strict=True)
 
 
-def load_torch_drafter(config, info, backend, target):
+def place_and_quantize(model, config, info, backend):
+    """Move a loaded draft to the backend's device, in the quantization spec's activation dtype
+    when one is set, then quantize its weights in memory (frozen, eval mode)."""
     import torch
 
     from speculant.drafters import quantization
-    from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashDrafter
 
-    cfg = info.extra["config"]
-    model = DFlashModel(cfg)
-    load_into(model, config.path)
     q = quantization.resolve(config.quantization)
     dtype = backend.dtype
-    if q is not None:  # the draft computes in the spec's activation dtype
+    if q is not None:
         dtype = getattr(torch, quantization.activation_dtype(q, str(backend.dtype).removeprefix("torch.")))
     model.to(device=backend._device, dtype=dtype).eval().requires_grad_(False)
     if q is not None:
         quantization.quantize_torch(model, q, quantization.exclude_for(info))
-    return TorchDFlashDrafter(model, info, target, backend)
+    return model
+
+
+def load_torch_drafter(config, info, backend, target):
+    from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashDrafter
+
+    model = DFlashModel(info.extra["config"])
+    load_into(model, config.path)
+    return TorchDFlashDrafter(place_and_quantize(model, config, info, backend), info, target, backend)
