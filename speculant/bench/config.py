@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculant.bench.workloads import BUILTIN_WORKLOADS, parse_context_length
-from speculant.core.config import read_config_file
+from speculant.core.config import load_model
 from speculant.core.errors import ConfigError
 
 
@@ -198,19 +198,7 @@ class BenchConfig(_Model):
     @classmethod
     def load(cls, source: "BenchConfig | dict | str | Path") -> "BenchConfig":
         """Build from a model, a dict, or a .toml / .yaml / .json file (paths relative to it)."""
-        if isinstance(source, BenchConfig):
-            return source
-        base = None
-        if isinstance(source, (str, Path)):
-            base = Path(source).resolve().parent
-            source = read_config_file(source)
-        if not isinstance(source, dict):
-            raise ConfigError(f"a bench config must be a table/mapping, got {type(source).__name__}")
-        try:
-            config = cls.model_validate(source)
-        except ValidationError as exc:
-            raise ConfigError(format_errors(exc)) from None
-        return config.resolved_paths(base) if base else config
+        return load_model(cls, source, "a bench config", format_errors)
 
     def resolved_paths(self, base: Path) -> "BenchConfig":
         def fix(p: Path | None) -> Path | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -93,19 +93,7 @@ class EngineConfig(_Section):
     @classmethod
     def load(cls, source: "EngineConfig | dict | str | Path") -> "EngineConfig":
         """Build from a model, a dict, or a .toml / .yaml / .yml / .json file."""
-        if isinstance(source, EngineConfig):
-            return source
-        base = None
-        if isinstance(source, (str, Path)):
-            base = Path(source).resolve().parent
-            source = read_config_file(source)
-        if not isinstance(source, dict):
-            raise ConfigError(f"an engine config must be a table/mapping, got {type(source).__name__}")
-        try:
-            config = cls.model_validate(source)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from None
-        return config.resolved_paths(base) if base else config
+        return load_model(cls, source, "an engine config", format_validation_error)
 
     def resolved_paths(self, base: Path) -> "EngineConfig":
         """Relative model paths in a config file are relative to that file."""
@@ -115,6 +103,24 @@ class EngineConfig(_Section):
         if data.drafter.path is not None and not data.drafter.path.is_absolute():
             data.drafter.path = base / data.drafter.path
         return data
+
+
+def load_model(cls, source, what: str, format_errors):
+    """A pydantic config model from itself, a dict or a file; paths in a file are resolved
+    against its folder through ``cls.resolved_paths``."""
+    if isinstance(source, cls):
+        return source
+    base = None
+    if isinstance(source, (str, Path)):
+        base = Path(source).resolve().parent
+        source = read_config_file(source)
+    if not isinstance(source, dict):
+        raise ConfigError(f"{what} must be a table/mapping, got {type(source).__name__}")
+    try:
+        config = cls.model_validate(source)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+    return config.resolved_paths(base) if base else config
 
 
 def read_config_file(path: str | Path) -> dict:
