@@ -44,7 +44,7 @@ def build(root: Path, planted: float, hidden: int, layers: int, block: int) -> t
     return target, draft
 
 
-def engines(target: Path, draft: Path, device: str, dtype: str) -> dict:
+def engines(target: Path, draft: Path, device: str, dtype: str, options: dict) -> dict:
     import speculant
 
     base = {"backend": {"kind": "torch", "device": device, "dtype": dtype}, "target": {"path": str(target)}}
@@ -52,7 +52,7 @@ def engines(target: Path, draft: Path, device: str, dtype: str) -> dict:
     return {
         "plain": speculant.Engine.from_config(base),
         "fixed": speculant.Engine.from_config({**base, "drafter": drafter, "verifier": {"kind": "speculative_sampling"}}),
-        "adaptive": speculant.Engine.from_config({**base, "drafter": drafter, "verifier": {"kind": "adaptive"}}),
+        "adaptive": speculant.Engine.from_config({**base, "drafter": drafter, "verifier": {"kind": "adaptive", "options": options}}),
     }
 
 
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--adaptive-options", type=json.loads, default={}, help="verifier.options of the adaptive verifier, as JSON")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = parser.parse_args()
 
@@ -83,7 +84,7 @@ def main() -> None:
         if args.deep_planted is not None:
             pairs["deep"] = build(Path(tmp) / "deep", args.deep_planted, args.hidden, args.layers, args.block)
             workloads["deep"] = ("deep", [5, 6, 7])
-        loaded = {name: engines(*paths, args.device, args.dtype) for name, paths in pairs.items()}
+        loaded = {name: engines(*paths, args.device, args.dtype, args.adaptive_options) for name, paths in pairs.items()}
 
         def run(workload: str, config: str):
             pair, prompt = workloads[workload]

@@ -276,3 +276,27 @@ def test_max_context_decodes_plainly_and_stops_feeding_the_drafter(engines, plai
     assert not [e for e in rec.events if e[0] in ("propose", "commit", "wants_draft", "plan")]
     assert all(not c for c in captures)
     assert result.stats.verifier["plain_from_context"] == len(long_prompt)
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tmp_path_factory, torch_threads):
+    from speculant.testing.tiny_dflash2 import build_tiny_dflash2_pair
+
+    target, draft = build_tiny_dflash2_pair(tmp_path_factory.mktemp("adaptive_dflash2"), block_size=8, sliding_window=8)
+    return target, draft
+
+
+def test_dflash2_confidence_reaches_the_policy_and_greedy_stays_identical(dflash2_pair):
+    target, draft = dflash2_pair
+    base = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
+    plain = speculant.Engine.from_config(base)
+    eng = speculant.Engine.from_config({**base, "drafter": {"kind": "dflash2", "path": str(draft)},
+                                        "verifier": {"kind": "adaptive", "options": VARIED}})
+    for prompt in PROMPTS.values():
+        expected = plain.run(prompt_ids=prompt, max_new_tokens=40, ignore_eos=True).token_ids
+        assert eng.run(prompt_ids=prompt, max_new_tokens=40, ignore_eos=True).token_ids == expected
+    calibration = eng.verifier.policy.acceptance
+    assert sum(calibration.bin_n) > 0  # the walk's per-token probabilities were calibrated
+    # sampled DFlash2 rounds propose sparse q over candidate ids; the adaptive verifier takes them
+    result = eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    assert result.stats.new_tokens == 30 and any(w > 0 for w in result.stats.verifier["widths"])

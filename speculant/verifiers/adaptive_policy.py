@@ -41,8 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_tokens
 from speculant.verifiers.adaptive_cost import CostModel, RunningMean
+from speculant.verifiers.adaptive_drift import DriftDetector, token_distribution
 
 TRUSTED = RunningMean.TRUSTED
+CHECK_EVERY = 4  # cycles between speculation-vs-plain comparisons unless the margin is thin
 MAX_REQUEST_GAP = 4  # at least every 4th request probes early while in fallback
 REFRESH_SOON = 8  # speculative cycles between plain steps while the plain-step cost is uncertain
 
@@ -90,6 +92,8 @@ class Estimate:
 
 
 class AdaptivePolicy:
+    """The decisions of the adaptive verifier (see the module docstring); no arrays, no target."""
+
     def __init__(self, options: AdaptiveOptions) -> None:
         o = self.o = options
         self.costs = CostModel(o.cost_alpha, o.cost_table, 0.0 if o.cost_table and o.draft_cost is None else o.draft_cost)
@@ -111,10 +115,12 @@ class AdaptivePolicy:
         self.predicted = [1.0]  # distribution of tokens this cycle's plan expected
         self.drift = DriftDetector()
         self.k = 1  # drafts allowed this cycle
-        self.k_block = 1  # drafts a full block allows (the largest k seen)
+        self.k_block = 1  # drafts a full block allows (the largest k seen in this request)
         self.context_length = 0
         self.cycle = 0  # cycles of the current request
         self.events: list[dict] = []
+        self.last: Estimate | None = None  # the latest speculation-vs-plain comparison
+        self.checks_due = 0  # cycles until it is redone (estimates move slowly)
 
     # -- per cycle ---------------------------------------------------------------------------
     def wants_draft(self, max_tokens: int, context_length: int) -> bool:
@@ -134,7 +140,12 @@ class AdaptivePolicy:
                 return self._plain("plain:cost")
             self.mode, self.probe_stage, self.probe_tries, self.action = "probe", "narrow", 0, "probe"
             return True
-        est = self.estimate(self.k_block, context_length)  # is speculation worth it at all?
+        self.checks_due -= 1
+        if self.checks_due <= 0 or self.last is None:  # is speculation worth it at all?
+            self.last = self.estimate(self.k_block, context_length)
+            margin = self.last.spec_rate / max(self.last.plain_rate, 1e-12) - 1.0 + self.o.hysteresis
+            self.checks_due = 1 if margin < 0.1 else CHECK_EVERY  # every cycle when it is close
+        est = self.last
         if est.spec_rate < est.plain_rate * (1.0 - self.o.hysteresis):
             self.mode, self.countdown = "fallback", self.o.probe_interval  # first re-check soon
             self.interval = self.o.probe_interval
@@ -192,6 +203,7 @@ class AdaptivePolicy:
             change = self.drift.update(accepted + 1, self.predicted)
             if change:
                 self.acceptance.reset_to(self.drift.last_realized, submitted)
+                self.checks_due = 0
                 self._event(self.mode, f"acceptance {change}: {self.drift.last_realized:.2f} tokens per cycle where "
                             f"{self.drift.last_predicted:.2f} were expected; history replaced by the recent level", None)
         self.confidence = None
@@ -202,7 +214,7 @@ class AdaptivePolicy:
         if self.mode == "warmup":
             self.warmup_steps.pop(0)
             if not self.warmup_steps:
-                self.mode = "speculate"
+                self.mode, self.checks_due = "speculate", 0
         elif self.mode == "probe":
             self._after_probe(submitted, accepted, cycle_s)
         return action
@@ -230,7 +242,7 @@ class AdaptivePolicy:
             timed = self.costs.table is None and cycle_s > 0.0
             rate = (accepted + 1) / cycle_s if timed else est.spec_rate
             if max(rate, est.spec_rate) >= est.plain_rate:
-                self.mode, self.request_gap, self.request_probe = "speculate", 1, False
+                self.mode, self.request_gap, self.request_probe, self.checks_due = "speculate", 1, False, 0
                 self._event("speculate", f"probe: {accepted} draft(s) accepted; speculative {max(rate, est.spec_rate):.1f} "
                             f"tok/s >= plain {est.plain_rate:.1f} tok/s", est)
                 return
@@ -266,6 +278,8 @@ class AdaptivePolicy:
         self.events = []
         self.action = None
         self.cycle = 0
+        self.k_block = 1
+        self.checks_due = 0
         self.acceptance.forget(self.o.request_carryover)
         self.drift.reset()
         self.requests_waited += 1
@@ -285,70 +299,6 @@ class AdaptivePolicy:
         if est is not None:
             event.update(plain_tok_s=round(est.plain_rate, 2), speculative_tok_s=round(est.spec_rate, 2), best_width=est.spec_width)
         self.events.append(event)
-
-
-class DriftDetector:
-    """Notices when the realized tokens per cycle leave what the model predicted.
-
-    Smoothed acceptance reacts slowly when many positions add up (a full block that stops being
-    accepted still predicts many tokens for a while). Over the last ``WINDOW`` speculative
-    cycles it screens the realized total against the model's mean and variance (more than
-    ``Z`` standard deviations and half a token per cycle away), then compares the likelihood of the
-    window under the model's per-cycle predictions with its likelihood under the best constant
-    conditional acceptance rate; a ratio below ``RATIO`` is a change, and ``last_realized``
-    (the window's median) the new level.
-    """
-
-    WINDOW = 4
-    Z = 3.0
-    RATIO = 1e-4
-    GRID = [i / 20 for i in range(21)]
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.window: list[tuple[int, list[float], float, float]] = []
-        self.last_realized = self.last_predicted = 0.0
-
-    def update(self, realized: int, pmf: list[float]) -> str | None:
-        """``pmf[t - 1]`` = P(t tokens) predicted for this cycle; ``realized`` tokens came."""
-        self.window = self.window[1 - self.WINDOW:] + [(realized, pmf, *moments(pmf))]
-        if len(self.window) < self.WINDOW:
-            return None
-        diff = sum(r - mean for r, _, mean, _ in self.window)
-        var = sum(v for _, _, _, v in self.window)
-        if abs(diff) <= max(self.Z * math.sqrt(var), 0.5 * self.WINDOW):
-            return None
-        model = math.fsum(math.log(max(q[r - 1], 1e-300)) for r, q, _, _ in self.window)
-        best = max(
-            math.fsum(math.log(max(token_distribution([a] * (len(q) - 1))[r - 1], 1e-300)) for r, q, _, _ in self.window)
-            for a in self.GRID
-        )
-        if model - best >= math.log(self.RATIO):
-            return None
-        realized_level = sorted(r for r, _, _, _ in self.window)[self.WINDOW // 2]
-        predicted = sum(mean for _, _, mean, _ in self.window) / self.WINDOW
-        self.reset()
-        self.last_realized, self.last_predicted = float(realized_level), predicted
-        return "dropped" if diff < 0 else "rose"
-
-
-def token_distribution(probs: Sequence[float]) -> list[float]:
-    """P(t tokens committed), t = 1..n+1, when submitting n = len(probs) drafts with
-    conditional acceptance ``probs``: P(t) = S_{t-1} - S_t (S_0 = 1, S_{n+1} = 0)."""
-    out, survive = [], 1.0
-    for p in probs:
-        out.append(survive * (1.0 - p))
-        survive *= p
-    out.append(survive)
-    return out
-
-
-def moments(pmf: Sequence[float]) -> tuple[float, float]:
-    mean = sum(t * q for t, q in enumerate(pmf, start=1))
-    square = sum(t * t * q for t, q in enumerate(pmf, start=1))
-    return mean, max(square - mean * mean, 0.0)
 
 
 def best_rate(gains: Sequence[float], costs: Sequence[float], draft: float, rest: float) -> tuple[float, int]:
