@@ -10,7 +10,6 @@ embedding and LM head borrowed from it.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +59,18 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
     ctx_keep = torch.arange(seq_len)[None, :] < anchors[rows_block][:, None]
     own = rows_block[:, None] == rows_block[None, :]
     return torch.cat([ctx_keep, own], dim=1)
+
+
+def anchor_batch(sequences: np.ndarray, step: int, rank: int, seed: int, batch: int, low: int, high: int,
+                 anchors_per_sequence: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A deterministic batch for (step, rank): sequence rows and, per row, sorted distinct
+    anchor positions in ``low..high`` (where a whole block still fits)."""
+    rng = np.random.default_rng([seed, step, rank])
+    rows = rng.integers(0, len(sequences), size=batch)
+    ids = torch.from_numpy(sequences[rows].astype(np.int64))
+    count = min(anchors_per_sequence, high - low + 1)
+    anchors = [torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))) for _ in rows]
+    return ids, anchors
 
 
 def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, cfg: DFlashConfig,
@@ -152,12 +163,7 @@ def train_dflash(
     low, high = max(0, prompt_len - 1), S - B  # anchors in the response (or its last prompt token)
 
     def make_batch(step: int, rank: int):
-        rng = np.random.default_rng([settings.seed, step, rank])
-        rows = rng.integers(0, len(sequences), size=batch)
-        ids = torch.from_numpy(sequences[rows].astype(np.int64))
-        anchors = [torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=min(shape.anchors_per_sequence, high - low + 1), replace=False)))
-                   for _ in rows]
-        return ids, anchors
+        return anchor_batch(sequences, step, rank, settings.seed, batch, low, high, shape.anchors_per_sequence)
 
     def loss_fn(model, batch_data):
         ids, anchors = batch_data

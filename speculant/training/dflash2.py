@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import default_layer_ids, draft_forward, weighted_block_ce
+from speculant.training.dflash import anchor_batch, default_layer_ids, draft_forward, weighted_block_ce
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -174,12 +174,7 @@ def train_dflash2(
     low, high = max(0, prompt_len - 1), S - B
 
     def make_batch(step: int, rank: int):
-        rng = np.random.default_rng([settings.seed, step, rank])
-        rows = rng.integers(0, len(sequences), size=batch)
-        ids = torch.from_numpy(sequences[rows].astype(np.int64))
-        count = min(shape.anchors_per_sequence, high - low + 1)
-        anchors = [torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))) for _ in rows]
-        return ids, anchors
+        return anchor_batch(sequences, step, rank, settings.seed, batch, low, high, shape.anchors_per_sequence)
 
     def loss_fn(model, batch_data):
         ids, anchors = batch_data
