@@ -20,6 +20,18 @@ def torch_threads():
 
 
 @pytest.fixture(scope="session")
+def reference_venv():
+    """The official dflash 0.1.0 reference venv's python; skips the test when it is unavailable
+    (or builds it first when SPECULANT_BUILD_REF_VENV=1)."""
+    from reference.harness import ReferenceUnavailable, ensure_reference_venv
+
+    try:
+        return ensure_reference_venv()
+    except ReferenceUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory, torch_threads):
     """A random Qwen3 target (no planted bias)."""
     from speculant.testing.tiny import build_tiny_target

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 import speculant
+from engine_recording import run_recording_proposals
 
 harness = pytest.importorskip("reference.harness")
 pytestmark = pytest.mark.reference
@@ -39,14 +40,6 @@ ACCEPTING = ("planted", "planted_swa", "ours_swa")
 
 
 @pytest.fixture(scope="module")
-def reference_python():
-    try:
-        return harness.ensure_reference_venv()
-    except harness.ReferenceUnavailable as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, torch_threads):
     from reference.make_tiny_checkpoints import build_dflash2, build_target
 
@@ -66,22 +59,6 @@ def checkpoints(tmp_path_factory, torch_threads):
     }
 
 
-def run_recording_proposals(engine, **kwargs):
-    proposals = []
-    propose = engine.drafter.propose
-
-    def recording(request):
-        draft = propose(request)
-        proposals.append(engine.backend.ops.to_list(draft.token_ids))
-        return draft
-
-    engine.drafter.propose = recording
-    try:
-        return engine.run(**kwargs), proposals
-    finally:
-        del engine.drafter.propose
-
-
 def has_mlx() -> bool:
     import importlib.util
 
@@ -92,7 +69,7 @@ BACKENDS = ["torch", pytest.param("mlx", marks=[pytest.mark.mlx, pytest.mark.ski
 
 
 @pytest.fixture(scope="module")
-def reference_runs(reference_python, checkpoints):
+def reference_runs(reference_venv, checkpoints):
     runs = {}
 
     def get(backend):
@@ -141,7 +118,7 @@ def test_same_proposals_tokens_and_acceptance(checkpoints, reference_runs, case,
         assert sum(ours.stats.acceptance_lengths) > len(ours.stats.acceptance_lengths)  # drafts were accepted
 
 
-def test_reference_loads_our_builder_output(reference_python, checkpoints):
+def test_reference_loads_our_builder_output(reference_venv, checkpoints):
     """speculant's tiny DFlash2 writer produces the layout the reference loads with no missing,
     unexpected or mis-shaped tensors (torch ``from_pretrained`` and the strict MLX loader)."""
     info = harness.reference_load_info(checkpoints["ours_swa"][1])

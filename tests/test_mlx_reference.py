@@ -30,14 +30,6 @@ CASES = [  # (draft, prompt, block size, max new tokens)
 
 
 @pytest.fixture(scope="module")
-def reference_python():
-    try:
-        return harness.ensure_reference_venv()
-    except harness.ReferenceUnavailable as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def engines(planted_pair):
     out = {}
     for name in ("draft", "draft_swa"):
@@ -51,7 +43,7 @@ def engines(planted_pair):
 
 @pytest.mark.parametrize("draft, prompt, block_size, max_new", CASES,
                          ids=[f"{d}-p{len(p)}-b{b}" for d, p, b, _ in CASES])
-def test_same_tokens_and_acceptance_as_dflash_model_mlx(reference_python, engines, planted_pair,
+def test_same_tokens_and_acceptance_as_dflash_model_mlx(reference_venv, engines, planted_pair,
                                                        draft, prompt, block_size, max_new):
     ref = harness.run_reference("mlx", planted_pair["target"], planted_pair[draft], prompt, max_new, block_size,
                                 mlx_temporal_rotating_cache=draft == "draft_swa")
@@ -60,7 +52,7 @@ def test_same_tokens_and_acceptance_as_dflash_model_mlx(reference_python, engine
     assert ours.stats.acceptance_lengths == ref["acceptance_lengths"]
 
 
-def test_stop_token_inside_a_block_like_the_reference(reference_python, engines, planted_pair):
+def test_stop_token_inside_a_block_like_the_reference(reference_venv, engines, planted_pair):
     plain = engines["draft"].run(prompt_ids=[5, 6, 7], max_new_tokens=40, block_size=8, ignore_eos=True).token_ids
     stop = next(t for i, t in enumerate(plain) if i >= 4 and t not in plain[:i])
     ref = harness.run_reference("mlx", planted_pair["target"], planted_pair["draft"], [5, 6, 7], 40, 8,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import speculant
+from engine_recording import run_recording_proposals
 
 harness = pytest.importorskip("reference.harness")
 pytestmark = pytest.mark.reference
@@ -24,14 +25,6 @@ CASES = [  # (draft, prompt, block size, max new tokens)
 
 
 @pytest.fixture(scope="module")
-def reference_python():
-    try:
-        return harness.ensure_reference_venv()
-    except harness.ReferenceUnavailable as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def engines(planted_pair):
     return {
         name: speculant.Engine.from_config({
@@ -43,25 +36,8 @@ def engines(planted_pair):
     }
 
 
-def run_recording_proposals(engine, **kwargs):
-    """Run the engine, recording each cycle's proposals as the drafter returned them."""
-    proposals = []
-    propose = engine.drafter.propose
-
-    def recording(request):
-        draft = propose(request)
-        proposals.append(engine.backend.ops.to_list(draft.token_ids))
-        return draft
-
-    engine.drafter.propose = recording
-    try:
-        return engine.run(**kwargs), proposals
-    finally:
-        del engine.drafter.propose
-
-
 @pytest.fixture(scope="module")
-def reference_runs(reference_python, planted_pair):
+def reference_runs(reference_venv, planted_pair):
     jobs = [dict(backend="torch", target_dir=planted_pair["target"], draft_dir=planted_pair[d], prompt_ids=p,
                  max_new_tokens=n, block_size=b) for d, p, b, n in CASES]
     return harness.run_reference_batch(jobs)
@@ -93,7 +69,7 @@ def test_same_proposals_tokens_and_acceptance_as_dflash_generate(engines, refere
     assert sum(ours.stats.acceptance_lengths) > len(ours.stats.acceptance_lengths)  # drafts were accepted
 
 
-def test_reference_baseline_equals_our_plain_decoding(reference_python, planted_pair):
+def test_reference_baseline_equals_our_plain_decoding(reference_venv, planted_pair):
     ref = harness.run_reference("torch", planted_pair["target"], planted_pair["draft"], [5, 6, 7], 30, 1, baseline=True)
     plain = speculant.Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                           "target": {"path": str(planted_pair["target"])}})
