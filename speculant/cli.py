@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; - reads it from stdin")
     gen.add_argument("--config", metavar="FILE", help="engine config (.toml, .yaml, .json); flags override it")
     gen.add_argument("--json", action="store_true", help="print the statistics as JSON on stderr")
+    gen.add_argument("--compare", action="store_true",
+                     help="then decode the same prompt without the drafter and print the speed-up")
     _add_override_flags(gen)
     chat = gen.add_argument_group("chat")
     chat.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -127,8 +129,7 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     elif args.target:
         data = {}
     else:
-        raise UsageError("no model given: pass --config engine.toml or --target MODEL_DIR "
-                         "(a built-in default model pair is not available yet)")
+        data = embedded_config(args)
     for dest, dotted in OVERRIDES.items():
         value = getattr(args, dest)
         if value is not None:
@@ -138,6 +139,21 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     if args.draft and drafter.get("kind") in (None, ""):
         drafter["kind"] = "dflash"
     return EngineConfig.load(data)
+
+
+def embedded_config(args: argparse.Namespace) -> dict[str, Any]:
+    """No config and no --target: the model pair shipped with speculant."""
+    from speculant import embedded
+
+    if not embedded.available():
+        raise UsageError("no model given and the shipped model pair is missing from this install: "
+                         "pass --config engine.toml or --target MODEL_DIR")
+    if args.draft:
+        raise UsageError("--draft needs --target or --config (the shipped pair brings its own drafters)")
+    try:
+        return embedded.engine_config(args.drafter or embedded.DEFAULT_DRAFTER, backend=args.backend)
+    except ValueError as exc:
+        raise UsageError(f"--drafter: {exc}") from None
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -176,11 +192,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = apply_chat_template(engine.tokenizer, prompt, args.system, args.thinking)
     # a rendered chat template already holds the special tokens it needs
+    if args.compare:
+        if engine.drafter is None:
+            raise UsageError("--compare needs a drafter (it compares speculative with plain decoding)")
+        warm_up(engine, prompt, not args.chat)
     stats = stream(engine, prompt, add_special_tokens=not args.chat)
     if stats is not None:
         print(json.dumps(stats.as_dict()) if args.json else str(stats), file=sys.stderr)
     interrupted = stats is None or stats.stop_reason == "interrupted"
+    if args.compare and not interrupted:
+        compare(config, engine, prompt, not args.chat, stats, args.json)
     return INTERRUPTED_EXIT if interrupted else 0
+
+
+def warm_up(engine: Any, prompt: str, add_special_tokens: bool) -> None:
+    """A short untimed run, so first-call costs do not land on one side of the comparison."""
+    engine.run(prompt, max_new_tokens=8, add_special_tokens=add_special_tokens)
+
+
+def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: bool, stats: Any, as_json: bool) -> None:
+    """Decode the same prompt with the same target and settings but no drafter; report both."""
+    speculative_ids = list(engine.last_token_ids)
+    plain = engine.without_drafter()
+    warm_up(plain, prompt, add_special_tokens)
+    # same length as the speculative run, so both decode rates cover the same positions
+    result = plain.run(prompt, max_new_tokens=max(1, stats.new_tokens), add_special_tokens=add_special_tokens,
+                       ignore_eos=True)
+    plain_rate = result.stats.decode_tokens_per_s
+    speed_up = stats.decode_tokens_per_s / plain_rate if plain_rate else float("nan")
+    same = sum(1 for _ in _common_prefix(speculative_ids, result.token_ids))
+    report = {"speculative_decode_tokens_per_s": stats.decode_tokens_per_s, "plain_decode_tokens_per_s": plain_rate,
+              "speed_up": speed_up, "mean_acceptance_length": stats.mean_acceptance_length,
+              "identical_tokens": same, "new_tokens": len(speculative_ids)}
+    if as_json:
+        print(json.dumps(report), file=sys.stderr)
+        return
+    print(f"plain decoding {plain_rate:.1f} tok/s, speculative {stats.decode_tokens_per_s:.1f} tok/s: "
+          f"speed-up {speed_up:.2f}x at mean acceptance length {stats.mean_acceptance_length:.2f}", file=sys.stderr)
+    if same == len(speculative_ids):
+        print(f"identical output: all {same} tokens", file=sys.stderr)
+    else:
+        note = (" (bfloat16/float16 round a block forward and a one-token forward differently; "
+                "--dtype float32 compares exactly)" if config.backend.dtype in ("bfloat16", "float16") else "")
+        print(f"outputs agree on the first {same} of {len(speculative_ids)} tokens{note}", file=sys.stderr)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]):
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
 
 
 def stream(engine: Any, prompt: str, add_special_tokens: bool = True):

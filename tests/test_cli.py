@@ -113,10 +113,14 @@ def test_bad_flag_values_name_the_field():
 
 
 # -- errors -----------------------------------------------------------------------------------
-def test_no_model_is_a_clear_error(capsys):
+def test_no_model_and_no_shipped_pair_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    from speculant import embedded
+
+    monkeypatch.setattr(embedded, "PAIR_DIR", tmp_path / "absent")
     code, out, err = cli(capsys, "generate", "hello")
     assert code == 2 and out == ""
-    assert err.startswith("speculant: error: no model given: pass --config") and "Traceback" not in err
+    assert err.startswith("speculant: error: no model given and the shipped model pair is missing") and "--config" in err
+    assert "Traceback" not in err
 
 
 def test_missing_config_file(capsys, tmp_path):
@@ -311,3 +315,19 @@ def test_plugins_lists_the_builtins(capsys):
     assert set(rows["verifiers"]["registered"]["verifiers"]) >= {"greedy", "speculative_sampling"}
     code, out, _ = cli(capsys, "plugins")
     assert "torch (builtin " in out and "backends: torch" in out
+
+
+def test_compare_reports_plain_and_speculative_rates_with_identical_tokens(capsys, planted_pair):
+    code, out, err = cli(capsys, "generate", "--target", str(planted_pair["target"]), "--draft", str(planted_pair["draft"]),
+                         *CPU, "--max-new-tokens", "24", "--compare", "--json", "--", "abc")
+    assert code == 0, err
+    stats, comparison = (json.loads(line) for line in err.strip().splitlines()[-2:])
+    assert comparison["identical_tokens"] == comparison["new_tokens"] == stats["new_tokens"]
+    assert comparison["speculative_decode_tokens_per_s"] == stats["decode_tokens_per_s"]
+    assert comparison["speed_up"] == pytest.approx(stats["decode_tokens_per_s"] / comparison["plain_decode_tokens_per_s"])
+
+
+def test_compare_without_a_drafter_is_refused_before_generating(capsys, tiny_target):
+    code, out, err = cli(capsys, "generate", "--target", str(tiny_target), *CPU, "--compare", "abc")
+    assert code == 2 and out == ""
+    assert "--compare needs a drafter" in err

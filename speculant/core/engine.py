@@ -45,6 +45,7 @@ class Engine:
         self.report = report
         self.last_stats: GenerationStats | None = None
         self.last_token_ids: list[int] = []
+        self.registry: Any = None
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -65,7 +66,16 @@ class Engine:
             factory = registry.drafters[config.drafter.kind]
             drafter = factory.load(config.drafter, report.drafter, backend, target)
         verifier = _make_verifier(config, registry)
-        return cls(config, backend, target, verifier, drafter, report)
+        engine = cls(config, backend, target, verifier, drafter, report)
+        engine.registry = registry
+        return engine
+
+    def without_drafter(self) -> "Engine":
+        """Plain decoding over the same loaded target and settings (side-by-side comparisons)."""
+        config = EngineConfig.load({**self.config.model_dump(), "drafter": {"kind": "none"}})
+        engine = type(self)(config, self.backend, self.target, _make_verifier(config, self.registry), None, self.report)
+        engine.registry = self.registry
+        return engine
 
     @property
     def block_size(self) -> int:

@@ -35,9 +35,7 @@ def add_parser(sub) -> None:
     dfl.add_argument("--block-size", type=int, default=8)
     dfl.add_argument("--layers", type=int, default=2)
     dfl.add_argument("--features", type=int, default=3, help="number of target layers read")
-    dfl.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
-    dfl.add_argument("--prompt-len", type=int, default=64)
-    dfl.add_argument("--response-len", type=int, default=192)
+    _sequence_flags(dfl)
     dfl.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
     dfl.add_argument("--batch", type=int, default=4)
     _loop_flags(dfl, steps=1000, lr=6e-4)
@@ -54,9 +52,7 @@ def add_parser(sub) -> None:
     dfl2.add_argument("--selector-rank", type=int, default=32)
     dfl2.add_argument("--selector-top-k", type=int, default=8)
     dfl2.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector cross-entropy")
-    dfl2.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
-    dfl2.add_argument("--prompt-len", type=int, default=64)
-    dfl2.add_argument("--response-len", type=int, default=192)
+    _sequence_flags(dfl2)
     dfl2.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
     dfl2.add_argument("--batch", type=int, default=4)
     _loop_flags(dfl2, steps=1000, lr=6e-4)
@@ -65,9 +61,7 @@ def add_parser(sub) -> None:
     mtp = steps.add_parser("mtp", help="train a Qwen-layout MTP head (mtp.*) against a local target")
     mtp.add_argument("--target", required=True, type=Path)
     mtp.add_argument("--out", required=True, type=Path)
-    mtp.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
-    mtp.add_argument("--prompt-len", type=int, default=64)
-    mtp.add_argument("--response-len", type=int, default=192)
+    _sequence_flags(mtp)
     mtp.add_argument("--batch", type=int, default=4)
     _loop_flags(mtp, steps=1000, lr=6e-4)
     mtp.set_defaults(func=cmd_mtp)
@@ -80,6 +74,14 @@ def add_parser(sub) -> None:
     ev.add_argument("--prompts", type=int, default=8)
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.set_defaults(func=cmd_evaluate)
+
+
+def _sequence_flags(parser) -> None:
+    parser.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--sequences-file", type=Path,
+                        help="cache of the generated sequences (.npy), shareable between drafters; default OUT/sequences.npy")
 
 
 def _loop_flags(parser, steps: int, lr: float) -> None:
@@ -160,16 +162,23 @@ def cmd_dflash2(args) -> int:
 
 
 def target_sequences(args) -> np.ndarray:
-    """Corpus prompts continued greedily by the target itself, cached in ``--out``/sequences.npy."""
+    """Corpus prompts continued greedily by the target itself, cached in ``--sequences-file``
+    (default ``--out``/sequences.npy); a cached file must match the requested shape."""
     from speculant.training.dflash import generate_sequences
     from speculant.training.features import load_frozen_target
 
     args.out.mkdir(parents=True, exist_ok=True)
-    seq_file = args.out / "sequences.npy"
+    seq_file = args.sequences_file or args.out / "sequences.npy"
+    shape = (args.sequences, args.prompt_len + args.response_len)
     if seq_file.exists():
-        return np.load(seq_file)
+        sequences = np.load(seq_file)
+        if sequences.shape != shape:
+            raise SystemExit(f"{seq_file} holds sequences of shape {sequences.shape}, not {shape} "
+                             "(--sequences, --prompt-len + --response-len): delete it or change the flags")
+        return sequences
     prompts = corpus_prompts(args.target, args.sequences, args.prompt_len, args.seed)
     sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len)
+    seq_file.parent.mkdir(parents=True, exist_ok=True)
     np.save(seq_file, sequences)
     return sequences
 

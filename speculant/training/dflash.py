@@ -40,7 +40,7 @@ def default_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
 
 
 @torch.no_grad()
-def generate_sequences(target, prompts: np.ndarray, new_tokens: int, batch: int = 16) -> np.ndarray:
+def generate_sequences(target, prompts: np.ndarray, new_tokens: int, batch: int = 64) -> np.ndarray:
     """Greedy continuations by the target itself (what greedy speculative decoding will see)."""
     out = []
     model = target.model

@@ -1,0 +1,55 @@
+"""The model pair shipped with speculant: a small Qwen3 target trained on Python source code
+with its DFlash, DFlash2 and MTP drafters (block size 8), so ``speculant generate "prompt"``
+runs offline with no config. ``pair/MANIFEST.json`` records the corpus, token counts, training
+settings and checksums; ``scripts/build_embedded_pair.sh`` reproduces every file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+PAIR_DIR = Path(__file__).parent / "pair"
+DRAFTERS = ("dflash2", "dflash", "mtp")
+DEFAULT_DRAFTER = "dflash2"
+# Measured on the shipped pair with benchmarks/embedded_pair.py (see the README).
+DEFAULT_VERIFIER = "auto"
+
+
+def available() -> bool:
+    """True when the shipped weights are present (a source checkout or an installed wheel)."""
+    return (PAIR_DIR / "MANIFEST.json").is_file() and (PAIR_DIR / "target" / "config.json").is_file()
+
+
+def manifest() -> dict[str, Any]:
+    return json.loads((PAIR_DIR / "MANIFEST.json").read_text())
+
+
+def default_backend() -> str:
+    """MLX on Apple Silicon when installed (Metal); otherwise PyTorch, else MLX."""
+    has_mlx = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
+    has_torch = importlib.util.find_spec("torch") is not None
+    if has_mlx and platform.system() == "Darwin" and platform.machine() == "arm64":
+        return "mlx"
+    return "torch" if has_torch or not has_mlx else "mlx"
+
+
+def engine_config(drafter: str | None = DEFAULT_DRAFTER, backend: str | None = None) -> dict[str, Any]:
+    """An engine config dict for the shipped pair; ``drafter`` is a shipped kind or None/"none"."""
+    backend = backend or default_backend()
+    config: dict[str, Any] = {
+        # bfloat16: on a CPU a bf16 forward over a block costs barely more than over one token
+        "backend": {"kind": backend, "dtype": "bfloat16"},
+        "target": {"path": str(PAIR_DIR / "target")},
+        "verifier": {"kind": DEFAULT_VERIFIER},
+    }
+    if drafter in (None, "none"):
+        config["drafter"] = {"kind": "none"}
+    elif drafter in DRAFTERS:
+        config["drafter"] = {"kind": drafter, "path": str(PAIR_DIR / drafter)}
+    else:
+        raise ValueError(f"the shipped pair has drafters {', '.join(DRAFTERS)} (or none); got {drafter!r}")
+    return config

@@ -1,0 +1,106 @@
+"""The model pair shipped in speculant/embedded/pair: intact, lossless, and drafting well enough.
+
+The acceptance-length floor (2.0) is a regression guard far below the benchmark
+(benchmarks/embedded_pair.py); losslessness is checked in float32, where a block forward and a
+one-token forward agree exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import speculant
+from speculant import embedded
+
+pytestmark = pytest.mark.skipif(not embedded.available(), reason="the shipped pair is not in this checkout")
+
+PROMPT = "def parse_args(argv):"
+CODE_PROMPT = "import os\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+
+
+def engine(drafter, backend="torch", dtype="float32", **drafter_fields):
+    config = embedded.engine_config(drafter, backend=backend)
+    config["backend"].update({"dtype": dtype, "device": "cpu"})
+    config["drafter"].update(drafter_fields)
+    return speculant.Engine.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def plain_runs():
+    plain = engine(None)
+    return {prompt: plain.run(prompt, max_new_tokens=96, ignore_eos=True) for prompt in (PROMPT, CODE_PROMPT)}
+
+
+def test_manifest_matches_the_files_and_the_size_limit():
+    manifest = embedded.manifest()
+    files = {p.relative_to(embedded.PAIR_DIR).as_posix(): p for p in embedded.PAIR_DIR.rglob("*") if p.is_file()}
+    assert set(files) == set(manifest["files"]) | {"MANIFEST.json"}
+    for name, record in manifest["files"].items():
+        assert files[name].stat().st_size == record["bytes"], name
+        assert hashlib.sha256(files[name].read_bytes()).hexdigest() == record["sha256"], name
+    assert sum(p.stat().st_size for p in files.values()) <= 40 * 1024 * 1024
+    corpus = manifest["corpus"]
+    assert corpus["train_tokens"] > 1_000_000 and corpus["held_out_files"] > 0
+    assert set(manifest["training"]) == {"target", "dflash", "dflash2", "mtp"}
+    listed = json.loads((embedded.PAIR_DIR / "corpus.json").read_text())
+    assert len(listed["train_files"]) == corpus["train_files"]
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2", "mtp"])
+def test_shipped_drafters_are_lossless_and_accept_drafts(drafter, plain_runs):
+    spec = engine(drafter)
+    for prompt, plain in plain_runs.items():
+        result = spec.run(prompt, max_new_tokens=96, ignore_eos=True)
+        assert result.token_ids == plain.token_ids, (drafter, prompt)
+        assert result.stats.new_tokens == 1 + sum(result.stats.acceptance_lengths)
+    if drafter != "mtp":  # block 8 drafters; MTP (one head) drafts at most a couple of tokens
+        assert spec.run(CODE_PROMPT, max_new_tokens=96, ignore_eos=True).stats.mean_acceptance_length > 2.0
+
+
+def test_shipped_pair_is_lossless_on_mlx(plain_runs):
+    pytest.importorskip("mlx_lm")
+    spec = engine("dflash2", backend="mlx")
+    result = spec.run(CODE_PROMPT, max_new_tokens=96, ignore_eos=True)
+    assert result.token_ids == plain_runs[CODE_PROMPT].token_ids
+    assert result.stats.mean_acceptance_length > 2.0
+
+
+def test_the_default_engine_is_dflash2_on_the_shipped_pair():
+    config = embedded.engine_config()
+    assert config["drafter"]["kind"] == "dflash2"
+    assert config["drafter"]["path"] == str(embedded.PAIR_DIR / "dflash2")
+    with pytest.raises(ValueError, match="dflash2, dflash, mtp"):
+        embedded.engine_config("medusa")
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speculant", *argv], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_generate_without_a_config_streams_code_from_the_shipped_pair():
+    proc = cli("generate", PROMPT, "--max-new-tokens", "40", "--backend", "torch", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip()
+    stats = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert stats["new_tokens"] <= 40 and stats["verify_steps"] >= 1
+
+
+def test_generate_compare_reports_the_speed_up_and_identical_output():
+    proc = cli("generate", CODE_PROMPT, "--max-new-tokens", "48", "--backend", "torch", "--dtype", "float32",
+               "--compare", "--drafter", "dflash")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "speed-up" in proc.stderr
+    assert "identical output: all" in proc.stderr
+
+
+def test_generate_without_a_config_refuses_a_foreign_draft():
+    proc = cli("generate", PROMPT, "--draft", "/nonexistent")
+    assert proc.returncode == 2
+    assert "--draft needs --target or --config" in proc.stderr
