@@ -3,8 +3,13 @@
 ``proj(cat[enorm(embed(x_{t+1})), hnorm(h_t)])`` -> one decoder block with its own KV cache ->
 final norm; the target's LM head makes the logits. Norms compute x̂·(offset + w) in float32
 with the offset fixed at load time; the stored weights are never shifted. RoPE is
-``mx.fast.rope`` over the first ``head_dim * partial_rotary_factor`` dims (NeoX halves), which
-needs contiguous positions per call; the drafting lifecycle only makes such calls.
+``mx.fast.rope`` over the first ``cfg.rope_dim`` dims (NeoX halves; DeepSeek MLA: interleaved
+pairs, ``traditional``), with YaRN's host-computed frequencies when configured, which needs
+contiguous positions per call; the drafting lifecycle only makes such calls.
+
+MLA caches the expanded per-head keys and values; mixture-of-experts blocks route with
+:mod:`speculant.drafters.mtp.routing` and run the k chosen experts per row with ``mx.gather_mm``
+over packed gate_up [E, 2I, H] / down [E, H, I] weights.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import numpy as np
 
 from speculant.core.checkpoint import safetensors_files
 from speculant.core.errors import CheckpointError
-from speculant.drafters.mtp.config import MTPConfig
+from speculant.drafters.mtp.config import MTPConfig, assemble, rope_frequencies, wanted_tensors
+from speculant.drafters.mtp.routing import route
+
+LATENT_NORM_EPS = 1e-6  # MLA's q_a / kv_a norms use the RMSNorm default, not rms_norm_eps
 
 
 class RMSNorm(nn.Module):
@@ -67,14 +75,37 @@ class LayerCache:
         del self.positions[length:]
 
 
+class RoPE:
+    """``mx.fast.rope`` over the first ``cfg.rope_dim`` dims, YaRN frequencies and factor included."""
+
+    def __init__(self, cfg: MTPConfig, traditional: bool = False) -> None:
+        self.dims, self.traditional = cfg.rope_dim, traditional
+        self.base, self.freqs, self.scale = cfg.rope_theta, None, 1.0
+        if cfg.rope["rope_type"] == "yarn":
+            inv_freq, self.scale = rope_frequencies(cfg)
+            self.base, self.freqs = None, mx.array(1.0 / inv_freq)
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        out = mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=1.0, offset=offset, freqs=self.freqs)
+        return out if self.scale == 1.0 else out * self.scale
+
+
+def attend(q: mx.array, keys: mx.array, values: mx.array, positions: list[int], key_pos: list[int], scale: float) -> mx.array:
+    """Causal attention of q [1, heads, n, d] over the cache; returns [n, heads, dv]."""
+    mask = None
+    if q.shape[2] > 1:  # a single row always comes after every cached position
+        mask = mx.array(np.asarray(key_pos)[None, :] <= np.asarray(positions)[:, None])
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)[0].transpose(1, 0, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: MTPConfig) -> None:
         super().__init__()
         H, hd = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.gated = cfg.attn_output_gate
-        self.rope_dims = int(hd * cfg.partial_rotary_factor)
-        self.rope_theta = cfg.rope_theta
+        self.rope = RoPE(cfg)
+        self.scale = cfg.softmax_scale
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(H, self.heads * hd * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(H, self.kv_heads * hd, bias=bias)
@@ -84,9 +115,6 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
-
-    def _rope(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(x, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
 
     def __call__(self, x: mx.array, positions: list[int], cache: LayerCache) -> mx.array:
         n, hd = x.shape[0], self.head_dim
@@ -99,38 +127,134 @@ class Attention(nn.Module):
         k = self.k_proj(x).reshape(n, self.kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self._rope(q.transpose(1, 0, 2)[None], positions[0])
-        k = self._rope(k.transpose(1, 0, 2)[None], positions[0])
+        q = self.rope(q.transpose(1, 0, 2)[None], positions[0])
+        k = self.rope(k.transpose(1, 0, 2)[None], positions[0])
         v = self.v_proj(x).reshape(n, self.kv_heads, hd).transpose(1, 0, 2)[None]
         keys, values, key_pos = cache.append(k, v, positions)
-        mask = None
-        if n > 1:  # a single row always comes after every cached position
-            mask = mx.array(np.asarray(key_pos)[None, :] <= np.asarray(positions)[:, None])
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=hd ** -0.5, mask=mask)
-        out = out[0].transpose(1, 0, 2).reshape(n, self.heads * hd)
+        out = attend(q, keys, values, positions, key_pos, self.scale).reshape(n, self.heads * hd)
         if gate is not None:
             out = out * mx.sigmoid(gate)
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
+class LatentAttention(nn.Module):
+    """DeepSeek multi-head latent attention; the cache keeps expanded per-head keys and values."""
+
     def __init__(self, cfg: MTPConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        m, H, bias = cfg.mla, cfg.hidden_size, cfg.attention_bias
+        self.heads, self.m, self.scale = cfg.num_attention_heads, m, cfg.softmax_scale
+        self.rope = RoPE(cfg, traditional=cfg.rope_interleave)
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, self.heads * m.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, cfg.norm_offset)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.heads * m.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, cfg.norm_offset)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * m.v_head_dim, H, bias=bias)
+
+    def __call__(self, x: mx.array, positions: list[int], cache: LayerCache) -> mx.array:
+        n, m, nh = x.shape[0], self.m, self.heads
+        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(n, nh, m.qk_head_dim).transpose(1, 0, 2)[None]
+        q_nope, q_rot = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
+        kv_a = self.kv_a_proj_with_mqa(x)
+        latent, k_rot = kv_a[:, : m.kv_lora_rank], kv_a[:, m.kv_lora_rank:]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(n, nh, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 0, 2)[None]
+        k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
+        k_rot = self.rope(k_rot[None, None], positions[0])  # one rotary key shared by every head
+        q = mx.concatenate([q_nope, self.rope(q_rot, positions[0])], axis=-1)
+        k = mx.concatenate([k_nope, mx.broadcast_to(k_rot, (1, nh, n, m.qk_rope_head_dim))], axis=-1)
+        keys, values, key_pos = cache.append(k, v, positions)
+        out = attend(q, keys, values, positions, key_pos, self.scale)
+        return self.o_proj(out.reshape(n, nh * m.v_head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
+class MLXRouterOps:
+    """:class:`~speculant.drafters.mtp.routing.RouterOps` on MLX."""
+
+    softmax = staticmethod(lambda x: mx.softmax(x, axis=-1, precise=True))
+    sigmoid = staticmethod(mx.sigmoid)
+    top_k = staticmethod(lambda x, k: mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k])
+    take = staticmethod(lambda x, i: mx.take_along_axis(x, i, axis=-1))
+    min = staticmethod(lambda x: x.min(axis=-1, keepdims=True))
+    sum = staticmethod(lambda x: x.sum(axis=-1, keepdims=True))
+    where = staticmethod(mx.where)
+
+
+class Router(nn.Module):
     def __init__(self, cfg: MTPConfig) -> None:
         super().__init__()
+        self.spec = cfg.moe
+        self.weight = mx.zeros((cfg.moe.num_experts, cfg.hidden_size))
+        if cfg.moe.scoring == "sigmoid":
+            self.e_score_correction_bias = mx.zeros((cfg.moe.num_experts,))
+
+    def __call__(self, x: mx.array):
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        bias = self.get("e_score_correction_bias")
+        return route(MLXRouterOps, logits, self.spec, None if bias is None else bias.astype(mx.float32))
+
+
+class Experts(nn.Module):
+    """Packed SwiGLU experts; each row runs through its k chosen experts only (``mx.gather_mm``)."""
+
+    def __init__(self, cfg: MTPConfig) -> None:
+        super().__init__()
+        E, H, inter = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+        self.gate_up_proj = mx.zeros((E, 2 * inter, H))
+        self.down_proj = mx.zeros((E, H, inter))
+
+    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
+        rows = x[:, None, None, :]  # [n, 1, 1, H] against experts indices [n, k]
+        gate, up = mx.split(mx.gather_mm(rows, self.gate_up_proj.swapaxes(-1, -2), rhs_indices=indices), 2, axis=-1)
+        y = mx.gather_mm(nn.silu(gate) * up, self.down_proj.swapaxes(-1, -2), rhs_indices=indices)[:, :, 0, :]  # [n, k, H]
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=1)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MTPConfig) -> None:
+        super().__init__()
+        m = cfg.moe
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        if m.shared_intermediate_size:
+            self.shared = MLP(cfg.hidden_size, m.shared_intermediate_size)
+        if m.shared_gate:
+            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        indices, weights = self.gate(x)
+        out = self.experts(x, indices, weights)
+        if "shared" in self:
+            shared = self.shared(x)
+            if "shared_gate" in self:
+                shared = mx.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MTPConfig, layer: int = 0) -> None:
+        super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.self_attn = Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def __call__(self, x: mx.array, positions: list[int], cache: LayerCache) -> mx.array:
         x = x + self.self_attn(self.input_layernorm(x), positions, cache)
@@ -149,7 +273,7 @@ class MTPModel(nn.Module):
         self.hnorm = [RMSNorm(H, eps, off) for _ in range(heads)]
         self.proj = [nn.Linear(2 * H, H, bias=False) for _ in range(heads)]
         self.norm = [RMSNorm(H, eps, off) for _ in range(heads)]
-        self.blocks = [Block(cfg) for _ in range(cfg.num_layers)]
+        self.blocks = [Block(cfg, k) for k in range(cfg.num_layers)]
 
     def step(self, layer: int, embedded: mx.array, hidden: mx.array, positions: list[int], cache: LayerCache):
         i = 0 if self.cfg.shared_projection else layer
@@ -195,13 +319,14 @@ def read_mtp_tensors(cfg: MTPConfig) -> dict[str, mx.array]:
     """Only the MTP tensors (renamed to module parameters), never the rest of a target folder."""
     from safetensors import safe_open
 
-    state: dict[str, mx.array] = {}
+    wanted = wanted_tensors(cfg)
+    raw: dict[str, mx.array] = {}
     for file in safetensors_files(cfg.weights_path):
         with safe_open(str(file), framework="mlx") as fh:
             for name in fh.keys():
-                if name in cfg.names:
-                    state[cfg.names[name]] = fh.get_tensor(name)
-    return state
+                if name in wanted:
+                    raw[name] = fh.get_tensor(name)
+    return assemble(raw, cfg, mx.stack, lambda parts: mx.concatenate(parts, axis=0))
 
 
 def build_model(cfg: MTPConfig, state: dict[str, mx.array]) -> MTPModel:
