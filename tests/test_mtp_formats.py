@@ -137,15 +137,24 @@ def test_shape_mismatch_is_named(base, tmp_path):
     assert any("mtp.fc.weight has shape [64, 64], expected [64, 128]" in e for e in errors(validate(config(target))))
 
 
-def test_moe_mla_and_dedicated_embeddings_are_reported_unsupported(base, tmp_path):
-    target = copy_target(base, tmp_path / "target")
-    tensors = mtp_tensors(canonical_mtp(target, 1, seed=2), "deepseek", first_layer=4)
+def test_dedicated_embeddings_reported_and_moe_mla_need_their_tensors(base, tmp_path):
+    """MoE and MLA blocks load now (tests/test_mtp_moe_mla.py); a dense checkpoint whose config
+    declares them gets every missing MLA tensor named, and stray expert tensors too."""
+    tensors = mtp_tensors(canonical_mtp(base, 1, seed=2), "deepseek", first_layer=4)
     tensors["model.layers.4.mlp.experts.0.up_proj.weight"] = np.zeros((8, 64), dtype=np.float32)
-    write_mtp(target, tensors, "deepseek", 1, config_updates={"kv_lora_rank": 512, "mtp_use_dedicated_embeddings": True})
-    problems = errors(validate(config(target)))
-    assert any("(mtp_use_dedicated_embeddings)" in e for e in problems)
-    assert any("(kv_lora_rank)" in e and "MLA" in e for e in problems)
-    assert any("mixture-of-experts" in e for e in problems)
+
+    def problems(name, **updates):
+        target = copy_target(base, tmp_path / name)
+        write_mtp(target, tensors, "deepseek", 1, config_updates=updates)
+        return errors(validate(config(target)))
+
+    assert any("(mtp_use_dedicated_embeddings)" in e for e in problems("dedicated", mtp_use_dedicated_embeddings=True))
+    found = problems("stray")
+    assert any("unexpected tensor model.layers.4.mlp.experts.0.up_proj.weight" in e for e in found), found
+    found = problems("mla", kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    assert any("missing tensor model.layers.4.self_attn.kv_a_proj_with_mqa.weight (expected shape [24, 64])" in e for e in found), found
+    found = problems("mla_incomplete", kv_lora_rank=16)
+    assert any("(qk_nope_head_dim)" in e for e in found), found
 
 
 def test_options_are_validated(base, tmp_path):

@@ -13,6 +13,13 @@ The bigram builders make a real Qwen3 target whose greedy next token is a fixed 
 ``f`` of the current token on a cycle of tokens (attention and MLP outputs scaled down, LM-head
 rows aligned with the embeddings), and MTP weights that predict ``f(f(x_t))`` either from the
 token x_{t+1} or from the hidden state h_t, or deliberately one step short (``shift``).
+
+Mixture-of-experts / MLA families: :func:`build_family_target` saves a real Qwen3-Next
+(all full-attention layers, MoE MLPs) or DeepSeek-V3 (MLA attention, a dense first layer then
+MoE) target with transformers, optionally planted as the same bigram, and
+:func:`family_mtp_tensors` writes its MTP layer in the published names: Qwen3-Next per-expert
+``mtp.layers.{i}.mlp.experts.{e}.*`` or Qwen3.5-MoE packed ``mlp.experts.gate_up_proj`` /
+``down_proj``, and DeepSeek-V3 ``model.layers.{N+k}.*`` with MLA and the sigmoid-routed MoE.
 """
 
 from __future__ import annotations
@@ -184,26 +191,28 @@ def _unit_rows(x: np.ndarray) -> np.ndarray:
 
 
 def build_bigram_target(path: str | Path, cycle_length: int = 32, seed: int = 0, layer_scale: float = 1e-3,
-                        first_token: int = 100, head_scale: float = 8.0) -> tuple[Path, list[int]]:
-    """A Qwen3 target whose greedy next token after ``cycle[i]`` is ``cycle[i + 1]`` (cyclic).
+                        first_token: int = 100, head_scale: float = 8.0, family: str = "qwen3") -> tuple[Path, list[int]]:
+    """A target (``family``: qwen3, qwen3_next or deepseek_v3) whose greedy next token after
+    ``cycle[i]`` is ``cycle[i + 1]`` (cyclic).
 
-    The attention and MLP output projections are scaled by ``layer_scale`` (the residual stream
-    stays close to the token embedding, with a small context-dependent part), and the LM-head
-    row of ``f(x)`` is ``head_scale`` times the unit embedding of x, so argmax(head(norm(E[x])))
-    = f(x); the logit of f(x) is about ``head_scale * sqrt(hidden_size)`` (smaller: softer rows).
+    The attention and MLP output projections (experts included) are scaled by ``layer_scale``
+    (the residual stream stays close to the token embedding, with a small context-dependent
+    part), and the LM-head row of ``f(x)`` is ``head_scale`` times the unit embedding of x, so
+    argmax(head(norm(E[x]))) = f(x); the logit of f(x) is about ``head_scale * sqrt(hidden_size)``
+    (smaller: softer rows).
     """
     from safetensors.numpy import load_file, save_file
 
     from speculant.testing.tiny import build_tiny_target
 
-    path = build_tiny_target(path, seed=seed)
+    path = build_tiny_target(path, seed=seed) if family == "qwen3" else build_family_target(path, family, seed=seed)
     rng = np.random.default_rng(seed + 11)
     tokens = first_token + rng.permutation(cycle_length)
     cycle = [int(t) for t in tokens]
     file = path / "model.safetensors"
     state = load_file(str(file))
     for name in state:
-        if name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             state[name] = (state[name] * layer_scale).astype(np.float32)
     emb = state["model.embed_tokens.weight"]
     head = np.zeros_like(state["lm_head.weight"])
@@ -243,3 +252,169 @@ def bigram_mtp(target_path: str | Path, cycle: list[int], path: str = "token", s
     zero = np.zeros((H, H), dtype=np.float32)
     canonical["heads"][0]["proj"] = np.concatenate([m, zero] if path == "token" else [zero, m], axis=1)
     return canonical
+
+
+# -- mixture-of-experts and MLA families -------------------------------------------------------
+FAMILY_LAYOUT = {"qwen3_next": "qwen", "deepseek_v3": "deepseek"}
+
+
+def family_config(family: str, vocab_size: int, eos_token_id: int | None, **overrides):
+    """A tiny transformers config of ``family`` (qwen3_next: every layer full attention and MoE;
+    deepseek_v3: MLA, a dense first layer, then MoE with 4 expert groups)."""
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        args = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                    norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=512, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    tie_word_embeddings=False, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+        args.update(overrides)
+        args["layer_types"] = ["full_attention"] * args["num_hidden_layers"]
+        return Qwen3NextConfig(**args)
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        args = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                    first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16,
+                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512,
+                    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    tie_word_embeddings=False, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+        args.update(overrides)
+        return DeepseekV3Config(**args)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def build_family_target(path: str | Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Save a random ``family`` causal LM (float32, safetensors, transformers' own saver) plus a
+    tokenizer; loadable by transformers and mlx-lm (mlx-lm reads top-level ``rope_theta`` /
+    ``partial_rotary_factor`` and, for Qwen3-Next, ``full_attention_interval`` instead of
+    ``layer_types``, so those are written too)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speculant.testing.tiny import build_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    config = family_config(family, len(tokenizer), tokenizer.eos_token_id, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 2.0 / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    raw = target_config(path)
+    rope = raw.get("rope_parameters") or {}
+    raw.setdefault("rope_theta", rope.get("rope_theta", 10000.0))  # mlx-lm reads the top-level keys
+    if family == "qwen3_next":
+        raw.update(full_attention_interval=1, partial_rotary_factor=rope.get("partial_rotary_factor", 1.0))
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
+def family_mtp_tensors(target_path: str | Path, num_layers: int = 1, seed: int = 0, scale: float = 1.0,
+                       packed: bool = False, norm_jitter: float = 0.1, fc: np.ndarray | None = None,
+                       copies: bool = True, updates: dict | None = None) -> dict[str, np.ndarray]:
+    """Random MTP weights of the target's family in the published names (raw Hugging Face:
+    Qwen norms stored as gain - 1). ``packed``: Qwen3.5-MoE's packed experts instead of
+    Qwen3-Next's per-expert tensors; ``fc``: the [H, 2H] input projection (random otherwise);
+    ``copies``: DeepSeek's embed_tokens / shared_head.head copies of the target's; ``updates``:
+    config keys laid over the target's (an MoE MTP folder for a dense target)."""
+    from safetensors.numpy import load_file
+
+    tcfg = {**target_config(target_path), **(updates or {})}
+    family = tcfg["model_type"]
+    layout = FAMILY_LAYOUT[family]
+    H, nh = tcfg["hidden_size"], tcfg["num_attention_heads"]
+    rng = np.random.default_rng(seed)
+    offset = 1.0 if layout == "qwen" else 0.0
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * scale / np.sqrt(shape[-1])).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + norm_jitter * rng.standard_normal(n) - offset).astype(np.float32)
+
+    def swiglu(prefix, inter):
+        return {prefix + "gate_proj.weight": w(inter, H), prefix + "up_proj.weight": w(inter, H), prefix + "down_proj.weight": w(H, inter)}
+
+    def moe(p):
+        E, inter = (tcfg["num_experts"], tcfg["moe_intermediate_size"]) if layout == "qwen" else (tcfg["n_routed_experts"], tcfg["moe_intermediate_size"])
+        out = {p + "mlp.gate.weight": w(E, H)}
+        if packed:
+            out[p + "mlp.experts.gate_up_proj"] = w(E, 2 * inter, H)
+            out[p + "mlp.experts.down_proj"] = w(E, H, inter)
+        else:
+            for e in range(E):
+                out.update(swiglu(f"{p}mlp.experts.{e}.", inter))
+        if layout == "qwen":
+            out.update(swiglu(p + "mlp.shared_expert.", tcfg["shared_expert_intermediate_size"]))
+            out[p + "mlp.shared_expert_gate.weight"] = w(1, H)
+        else:
+            out[p + "mlp.gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(E)).astype(np.float32)
+            out.update(swiglu(p + "mlp.shared_experts.", inter * tcfg["n_shared_experts"]))
+        return out
+
+    out: dict[str, np.ndarray] = {}
+    if layout == "qwen":
+        hd = tcfg["head_dim"]
+        out.update({"mtp.fc.weight": w(H, 2 * H) if fc is None else fc, "mtp.pre_fc_norm_embedding.weight": norm(H),
+                    "mtp.pre_fc_norm_hidden.weight": norm(H), "mtp.norm.weight": norm(H)})
+        for i in range(num_layers):
+            p = f"mtp.layers.{i}."
+            a = p + "self_attn."
+            out.update({p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
+                        a + "q_proj.weight": w(2 * nh * hd, H), a + "k_proj.weight": w(tcfg["num_key_value_heads"] * hd, H),
+                        a + "v_proj.weight": w(tcfg["num_key_value_heads"] * hd, H), a + "o_proj.weight": w(H, nh * hd),
+                        a + "q_norm.weight": norm(hd), a + "k_norm.weight": norm(hd)})
+            out.update(moe(p))
+        return out
+    target = load_file(str(Path(target_path) / "model.safetensors"))
+    qk = tcfg["qk_nope_head_dim"] + tcfg["qk_rope_head_dim"]
+    kvr, qr = tcfg["kv_lora_rank"], tcfg.get("q_lora_rank")
+    for k in range(num_layers):
+        layer = tcfg["num_hidden_layers"] + k
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        out.update({p + "eh_proj.weight": w(H, 2 * H) if fc is None else fc, p + "enorm.weight": norm(H),
+                    p + "hnorm.weight": norm(H), p + "shared_head.norm.weight": norm(H),
+                    p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
+                    a + "kv_a_proj_with_mqa.weight": w(kvr + tcfg["qk_rope_head_dim"], H), a + "kv_a_layernorm.weight": norm(kvr),
+                    a + "kv_b_proj.weight": w(nh * (tcfg["qk_nope_head_dim"] + tcfg["v_head_dim"]), kvr),
+                    a + "o_proj.weight": w(H, nh * tcfg["v_head_dim"])})
+        if qr:
+            out.update({a + "q_a_proj.weight": w(qr, H), a + "q_a_layernorm.weight": norm(qr), a + "q_b_proj.weight": w(nh * qk, qr)})
+        else:
+            out[a + "q_proj.weight"] = w(nh * qk, H)
+        out.update(moe(p) if layer >= tcfg.get("first_k_dense_replace", 0) else swiglu(p + "mlp.", tcfg["intermediate_size"]))
+        if copies:
+            out[p + "embed_tokens.weight"] = target["model.embed_tokens.weight"]
+            out[p + "shared_head.head.weight"] = target["lm_head.weight"]
+    return out
+
+
+def build_family_mtp(target_path: str | Path, folder: str | Path | None = None, num_layers: int = 1, seed: int = 0,
+                     scale: float = 1.0, packed: bool = False, cycle: list[int] | None = None,
+                     updates: dict | None = None) -> Path:
+    """The target family's MTP layers, in the target folder or in ``folder`` (whose config.json
+    gets ``updates``). With the bigram ``cycle``, the input projection is the token path [M, 0]
+    (see :func:`bigram_mtp`), so drafts are right as far as the random block (``scale``) lets them be."""
+    tcfg = {**target_config(target_path), **(updates or {})}
+    layout = FAMILY_LAYOUT[tcfg["model_type"]]
+    fc = None
+    if cycle is not None:
+        m = successor_map(target_path, cycle, 0)
+        fc = np.concatenate([m, np.zeros_like(m)], axis=1)
+    tensors = family_mtp_tensors(target_path, num_layers, seed, scale, packed, norm_jitter=0.0 if cycle else 0.1, fc=fc,
+                                 updates=updates)
+    return write_mtp(target_path, tensors, layout, num_layers, folder, config_updates=updates)
