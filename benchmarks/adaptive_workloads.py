@@ -7,6 +7,10 @@ almost always right), ``ordinary`` (counting prompts: partial acceptance), ``ran
 token prompts: drafts essentially never accepted), and with ``--deep-planted`` a ``deep``
 workload on a second, more strongly planted pair where whole blocks are accepted.
 
+With ``--embedded`` the shipped pair (trained target + ``--drafter``, block 8) runs instead:
+``predictable`` = a 64-token window of a held-out standard-library file, ``ordinary`` = English
+prose (not what a code model was trained on), ``random`` = random token ids.
+
 Every round runs each (workload, configuration) once in a shuffled order, so drift on a shared
 machine hits all alike; one adaptive verifier serves all workloads in turn, as a server would.
 The primary measure is generated tokens per CPU-second of this process (``time.process_time``
@@ -44,11 +48,27 @@ def build(root: Path, planted: float, hidden: int, layers: int, block: int) -> t
     return target, draft
 
 
-def engines(target: Path, draft: Path, device: str, dtype: str, options: dict) -> dict:
+PROSE = ("The committee met on a grey Tuesday morning to discuss the harbour, the new ferry timetable, "
+         "and whether the library should stay open later during the winter months, when")
+
+
+def embedded_workloads() -> dict[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    from speculant.embedded import PAIR_DIR
+    from speculant.training.command import corpus_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(str(PAIR_DIR / "target"))
+    code = corpus_prompts(PAIR_DIR / "target", 1, 64, seed=1234, held_out=True)[0].tolist()
+    rand = [int(x) for x in random.Random(3).choices(range(300, len(tokenizer) - 2), k=24)]
+    return {"predictable": code, "ordinary": tokenizer.encode(PROSE, add_special_tokens=False), "random": rand}
+
+
+def engines(target: Path, draft: Path, device: str, dtype: str, options: dict, kind: str = "dflash") -> dict:
     import speculant
 
     base = {"backend": {"kind": "torch", "device": device, "dtype": dtype}, "target": {"path": str(target)}}
-    drafter = {"kind": "dflash", "path": str(draft)}
+    drafter = {"kind": kind, "path": str(draft)}
     return {
         "plain": speculant.Engine.from_config(base),
         "fixed": speculant.Engine.from_config({**base, "drafter": drafter, "verifier": {"kind": "speculative_sampling"}}),
@@ -71,7 +91,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--adaptive-options", type=json.loads, default={}, help="verifier.options of the adaptive verifier, as JSON")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    parser.add_argument("--embedded", action="store_true", help="use the shipped pair (block 8) and text workloads")
+    parser.add_argument("--drafter", default="dflash2", help="with --embedded: the shipped drafter to use")
     args = parser.parse_args()
+    if args.embedded:
+        args.block = 8
+        if args.widths == parser.get_default("widths"):
+            args.widths = "2,3,4,6,8"
 
     import torch
 
@@ -79,12 +105,19 @@ def main() -> None:
     fixed = [int(w) for w in args.widths.split(",")]
     configs = ["plain"] + [f"fixed{b}" for b in fixed] + ["adaptive"]
     with tempfile.TemporaryDirectory() as tmp:
-        pairs = {"main": build(Path(tmp) / "main", args.planted, args.hidden, args.layers, args.block)}
-        workloads = {name: ("main", make()) for name, make in WORKLOADS.items()}
-        if args.deep_planted is not None:
+        if args.embedded:
+            from speculant.embedded import PAIR_DIR
+
+            pairs = {"main": (PAIR_DIR / "target", PAIR_DIR / args.drafter)}
+            workloads = {name: ("main", prompt) for name, prompt in embedded_workloads().items()}
+        else:
+            pairs = {"main": build(Path(tmp) / "main", args.planted, args.hidden, args.layers, args.block)}
+            workloads = {name: ("main", make()) for name, make in WORKLOADS.items()}
+        if args.deep_planted is not None and not args.embedded:
             pairs["deep"] = build(Path(tmp) / "deep", args.deep_planted, args.hidden, args.layers, args.block)
             workloads["deep"] = ("deep", [5, 6, 7])
-        loaded = {name: engines(*paths, args.device, args.dtype, args.adaptive_options) for name, paths in pairs.items()}
+        kind = args.drafter if args.embedded else "dflash"
+        loaded = {name: engines(*paths, args.device, args.dtype, args.adaptive_options, kind) for name, paths in pairs.items()}
 
         def run(workload: str, config: str):
             pair, prompt = workloads[workload]
@@ -120,7 +153,8 @@ def main() -> None:
     wall = {key: statistics.median(v) for key, v in tps.items()}
     default = f"fixed{args.block}"
     fixed_names = [c for c in configs if c.startswith("fixed")]
-    print(f"target hidden {args.hidden} x {args.layers} layers, planted {args.planted}, block {args.block}, "
+    pair = f"shipped pair + {args.drafter}" if args.embedded else f"target hidden {args.hidden} x {args.layers} layers, planted {args.planted}"
+    print(f"{pair}, block {args.block}, "
           f"{args.max_new_tokens} new tokens, {args.rounds} rounds, device {args.device}, {args.dtype}, threads {args.threads}")
     for title, table in (("tokens per CPU-second (median)", med), ("wall-clock decode tok/s (median)", wall)):
         print(f"\n{title}; mean acceptance length in brackets")
