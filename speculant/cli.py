@@ -312,8 +312,20 @@ def print_plugin(p: Any, show_traceback: bool) -> None:
 
 
 # -- entry point -----------------------------------------------------------------------------
+def quiet_third_party() -> None:
+    """Keep import-time chatter of optional libraries off the user's terminal: torchao's notes
+    about GPU kernels it cannot load, torch's pytree deprecation notes, weight-loading bars."""
+    import logging
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.environ.get("SPECULANT_DEBUG") != "1":
+        quiet_third_party()
     try:
         return args.func(args)
     except SpeculantError as exc:
