@@ -20,7 +20,7 @@ mkdir -p "$WORK"
   speculant train tokenizer --out "$WORK/tokenizer" --vocab-size 8192
 
 # 2. the target: Qwen3, hidden 192, 8 layers, trained on 512-token windows (5000 x 4 x 512 tokens)
-[ -f "$WORK/target/model/config.json" ] ||
+[ -f "$WORK/target/model/training.json" ] ||
   speculant train target --tokenizer "$WORK/tokenizer" --out "$WORK/target" --hidden-size 192 --layers 8 \
     --seq-len 512 --batch 4 --steps 5000 --lr 1.5e-3 --seed $SEED --checkpoint-every 250
 
@@ -28,15 +28,16 @@ TARGET="$WORK/target/model"
 # 3. training data for the drafters: corpus prompts continued greedily by the target itself
 SEQ=(--sequences 2048 --prompt-len 64 --response-len 256 --sequences-file "$WORK/sequences.npy" --seed $SEED)
 
-[ -f "$WORK/dflash/config.json" ] ||
+# training.json is written last, when a model is done
+[ -f "$WORK/dflash/training.json" ] ||
   speculant train dflash --target "$TARGET" --out "$WORK/dflash" "${SEQ[@]}" --block-size $BLOCK \
     --layers 2 --features 3 --anchors 32 --batch 4 --steps "${DFLASH_STEPS:-3000}" --lr 1e-3 --checkpoint-every 250
 
-[ -f "$WORK/dflash2/config.json" ] ||
+[ -f "$WORK/dflash2/training.json" ] ||
   speculant train dflash2 --target "$TARGET" --out "$WORK/dflash2" "${SEQ[@]}" --block-size $BLOCK \
     --layers 2 --features 3 --anchors 32 --batch 4 --steps "${DFLASH2_STEPS:-3000}" --lr 1e-3 --checkpoint-every 250
 
-[ -f "$WORK/mtp/config.json" ] ||
+[ -f "$WORK/mtp/training.json" ] ||
   speculant train mtp --target "$TARGET" --out "$WORK/mtp" "${SEQ[@]}" \
     --batch 8 --steps "${MTP_STEPS:-1500}" --lr 1e-3 --checkpoint-every 250
 

@@ -164,3 +164,14 @@ def test_cli_dflash2(trained_target, tmp_path):
     engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "dflash2", "path": str(out)}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6
+
+
+def test_dflash2_trains_under_bf16_autocast(trained_target, sequences, tmp_path):
+    """The default (bf16) path: autocast does not reach into the blockwise vmap, so the attention
+    must not mix float32 rotated q/k with bf16 v (this crashed the shipped pair's first build)."""
+    from speculant.training import dflash2 as mod
+
+    torch.set_num_threads(1)
+    settings = TrainSettings(steps=3, lr=1e-3, bf16=True, checkpoint_every=3)
+    draft = mod.train_dflash2(trained_target, sequences, 8, tmp_path / "draft", mod.DFlash2Shape(**SHAPE), settings, batch=2)
+    assert (draft / "model.safetensors").exists()

@@ -96,7 +96,10 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
+        # one dtype for all three: under bf16 autocast rotated q/k come out float32 while v is
+        # bf16, and autocast does not reach into torch.func.vmap (DFlash2's blockwise training)
+        out = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
+                                             scale=1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
 
 
