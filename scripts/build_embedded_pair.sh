@@ -5,7 +5,7 @@
 #
 # Every step is seeded and resumable: rerun the script after an interruption and finished steps
 # are skipped, unfinished training resumes from its last checkpoint. On a 2-core CPU the whole run
-# takes about two hours. The corpus (file list, Python version) is recorded in MANIFEST.json; a
+# takes about two and a half hours. The corpus (file list, Python version) is recorded in MANIFEST.json; a
 # different Python version gives a different corpus and so different weights.
 set -euo pipefail
 
@@ -31,15 +31,21 @@ SEQ=(--sequences 2048 --prompt-len 64 --response-len 256 --sequences-file "$WORK
 # training.json is written last, when a model is done
 [ -f "$WORK/dflash/training.json" ] ||
   speculant train dflash --target "$TARGET" --out "$WORK/dflash" "${SEQ[@]}" --block-size $BLOCK \
-    --layers 2 --features 3 --anchors 32 --batch 4 --steps "${DFLASH_STEPS:-3000}" --lr 1e-3 --checkpoint-every 250
+    --layers 2 --features 3 --anchors 32 --batch 4 --steps 3000 --lr 1e-3 --checkpoint-every 250
 
+# DFlash2 starts from the trained DFlash (identity convolutions, zero successor codebook: it
+# drafts exactly as DFlash does) and fine-tunes backbone, convolutions and selector together
 [ -f "$WORK/dflash2/training.json" ] ||
   speculant train dflash2 --target "$TARGET" --out "$WORK/dflash2" "${SEQ[@]}" --block-size $BLOCK \
-    --layers 2 --features 3 --anchors 32 --batch 4 --steps "${DFLASH2_STEPS:-3000}" --lr 1e-3 --checkpoint-every 250
+    --layers 2 --features 3 --anchors 32 --batch 4 --init-from "$WORK/dflash" --steps 600 --lr 3e-4 --checkpoint-every 100
 
-[ -f "$WORK/mtp/training.json" ] ||
-  speculant train mtp --target "$TARGET" --out "$WORK/mtp" "${SEQ[@]}" \
-    --batch 8 --steps "${MTP_STEPS:-1500}" --lr 1e-3 --checkpoint-every 250
+# MTP: as the shipped head was made, 250 steps of a 1500-step schedule, then resumed to end at 600
+if [ ! -f "$WORK/mtp/training.json" ]; then
+  [ -f "$WORK/mtp/checkpoint/state.json" ] ||
+    speculant train mtp --target "$TARGET" --out "$WORK/mtp" "${SEQ[@]}" --batch 8 --steps 1500 --stop-at 250 \
+      --lr 1e-3 --checkpoint-every 250
+  speculant train mtp --target "$TARGET" --out "$WORK/mtp" "${SEQ[@]}" --batch 8 --steps 600 --lr 1e-3 --checkpoint-every 100
+fi
 
 # 4. copy into the package (weights in bfloat16), with checksums, token counts and this recipe
 python scripts/package_embedded_pair.py "$WORK" speculant/embedded/pair

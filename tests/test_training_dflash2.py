@@ -175,3 +175,30 @@ def test_dflash2_trains_under_bf16_autocast(trained_target, sequences, tmp_path)
     settings = TrainSettings(steps=3, lr=1e-3, bf16=True, checkpoint_every=3)
     draft = mod.train_dflash2(trained_target, sequences, 8, tmp_path / "draft", mod.DFlash2Shape(**SHAPE), settings, batch=2)
     assert (draft / "model.safetensors").exists()
+
+
+def test_warm_start_from_dflash_drafts_exactly_as_that_dflash(trained_target, sequences, tmp_path):
+    from speculant.training import dflash as dflash_mod
+    from speculant.training import dflash2 as mod
+
+    torch.set_num_threads(1)
+    fp32 = TrainSettings(steps=20, lr=1e-2, bf16=False, checkpoint_every=20)
+    source = dflash_mod.train_dflash(trained_target, sequences, 8, tmp_path / "dflash",
+                                     dflash_mod.DFlashShape(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=16),
+                                     fp32, batch=2)
+    shape = mod.DFlash2Shape(**SHAPE)
+    cfg = mod.new_dflash2_config(trained_target, tmp_path / "dflash2", shape)
+    model = mod.init_dflash2(cfg, seed=3)
+    mod.warm_start(model, source)
+    mod.save_dflash2(model, tmp_path / "dflash2")
+    runs = []
+    for kind, path in (("dflash", source), ("dflash2", tmp_path / "dflash2")):
+        engine = speculant.Engine.from_config({"target": {"path": str(trained_target)}, "drafter": {"kind": kind, "path": str(path)}})
+        result = engine.run(prompt_ids=sequences[0, :8].tolist(), max_new_tokens=32, ignore_eos=True)
+        runs.append((result.token_ids, result.stats.acceptance_lengths))
+    assert runs[0] == runs[1]
+    assert sum(runs[0][1]) > len(runs[0][1])  # some drafts were accepted: the comparison is not vacuous
+
+    wider = mod.init_dflash2(mod.new_dflash2_config(trained_target, tmp_path / "wide", mod.DFlash2Shape(**{**SHAPE, "num_features": 3})), 0)
+    with pytest.raises(ValueError, match="does not match this DFlash2 backbone"):
+        mod.warm_start(wider, source)

@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
     dfl2.add_argument("--selector-rank", type=int, default=32)
     dfl2.add_argument("--selector-top-k", type=int, default=8)
     dfl2.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector cross-entropy")
+    dfl2.add_argument("--init-from", type=Path, metavar="DFLASH_DIR",
+                      help="start the backbone from a trained DFlash draft of the same target and shape")
     _sequence_flags(dfl2)
     dfl2.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
     dfl2.add_argument("--batch", type=int, default=4)
@@ -156,7 +158,8 @@ def cmd_dflash2(args) -> int:
                          anchors_per_sequence=args.anchors, conv_kernel_size=args.conv_kernel_size,
                          conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
                          selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)
-    path = train_dflash2(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
+    path = train_dflash2(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
+                         init_from=args.init_from)
     print(f"DFlash2 draft saved to {path}")
     return 0
 

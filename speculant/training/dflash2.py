@@ -155,6 +155,25 @@ def save_dflash2(model, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
+def warm_start(model, dflash_dir: str | Path) -> None:
+    """Copy a trained DFlash draft (same target, layers, features) into the DFlash2 backbone.
+
+    The convolutions start as identity and the successor codebook at zero, so the result drafts
+    exactly as that DFlash draft does; training then only has to add what DFlash2 adds.
+    """
+    from safetensors.torch import load_file
+
+    source = load_file(str(Path(dflash_dir) / "model.safetensors"))
+    own = model.state_dict()
+    problems = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape) if k in own else 'absent'}"
+                for k, v in source.items() if k not in own or own[k].shape != v.shape]
+    if problems:
+        raise ValueError(f"{dflash_dir} does not match this DFlash2 backbone: " + "; ".join(problems[:5]))
+    with torch.no_grad():
+        for k, v in source.items():
+            own[k].copy_(v)
+
+
 def train_dflash2(
     target_dir: str | Path,
     sequences: np.ndarray,
@@ -163,12 +182,16 @@ def train_dflash2(
     shape: DFlash2Shape = DFlash2Shape(),
     settings: TrainSettings = TrainSettings(lr=6e-4),
     batch: int = 4,
+    init_from: str | Path | None = None,
 ) -> Path:
-    """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft."""
+    """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft.
+    ``init_from``: a trained DFlash draft folder whose weights start the backbone."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target = load_frozen_target(target_dir)
     cfg = new_dflash2_config(target_dir, out_dir, shape)
     model = init_dflash2(cfg, settings.seed)
+    if init_from is not None:
+        warm_start(model, init_from)
     capture = Capture(tuple(cfg.target_layer_ids))
     S, B = sequences.shape[1], cfg.block_size
     low, high = max(0, prompt_len - 1), S - B
@@ -192,5 +215,6 @@ def train_dflash2(
     save_dflash2(model, out_dir)
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
                                                         "batch": batch, "sequences": int(len(sequences)),
-                                                        "sequence_length": int(S), "prompt_len": prompt_len}, indent=1))
+                                                        "sequence_length": int(S), "prompt_len": prompt_len,
+                                                        "init_from": None if init_from is None else Path(init_from).name}, indent=1))
     return out_dir
