@@ -317,15 +317,15 @@ class MLXMTPNetwork:
 
 def read_mtp_tensors(cfg: MTPConfig) -> dict[str, mx.array]:
     """Only the MTP tensors (renamed to module parameters), never the rest of a target folder."""
-    from safetensors import safe_open
+    from speculant.core.checkpoint import read_safetensors_header
 
     wanted = wanted_tensors(cfg)
     raw: dict[str, mx.array] = {}
     for file in safetensors_files(cfg.weights_path):
-        with safe_open(str(file), framework="mlx") as fh:
-            for name in fh.keys():
-                if name in wanted:
-                    raw[name] = fh.get_tensor(name)
+        if wanted.isdisjoint(read_safetensors_header(file)):
+            continue
+        # mx.load reads bfloat16 (safetensors' numpy path cannot) and only what is evaluated
+        raw.update((name, array) for name, array in mx.load(str(file)).items() if name in wanted)
     return assemble(raw, cfg, mx.stack, lambda parts: mx.concatenate(parts, axis=0))
 
 
