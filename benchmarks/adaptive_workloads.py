@@ -8,8 +8,9 @@ token prompts: drafts essentially never accepted), and with ``--deep-planted`` a
 workload on a second, more strongly planted pair where whole blocks are accepted.
 
 With ``--embedded`` the shipped pair (trained target + ``--drafter``, block 8) runs instead:
-``predictable`` = a 64-token window of a held-out standard-library file, ``ordinary`` = English
-prose (not what a code model was trained on), ``random`` = random token ids.
+``predictable`` = boilerplate code (a class with ``__init__``/``__repr__``), ``ordinary`` =
+English prose (not what a code model was trained on), ``random`` = random token ids, and
+``code`` = a 64-token window of a held-out standard-library file.
 
 Every round runs each (workload, configuration) once in a shuffled order, so drift on a shared
 machine hits all alike; one adaptive verifier serves all workloads in turn, as a server would.
@@ -48,6 +49,7 @@ def build(root: Path, planted: float, hidden: int, layers: int, block: int) -> t
     return target, draft
 
 
+BOILERPLATE = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n"
 PROSE = ("The committee met on a grey Tuesday morning to discuss the harbour, the new ferry timetable, "
          "and whether the library should stay open later during the winter months, when")
 
@@ -61,7 +63,8 @@ def embedded_workloads() -> dict[str, list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(str(PAIR_DIR / "target"))
     code = corpus_prompts(PAIR_DIR / "target", 1, 64, seed=1234, held_out=True)[0].tolist()
     rand = [int(x) for x in random.Random(3).choices(range(300, len(tokenizer) - 2), k=24)]
-    return {"predictable": code, "ordinary": tokenizer.encode(PROSE, add_special_tokens=False), "random": rand}
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return {"predictable": encode(BOILERPLATE), "ordinary": encode(PROSE), "random": rand, "code": code}
 
 
 def engines(target: Path, draft: Path, device: str, dtype: str, options: dict, kind: str = "dflash") -> dict:

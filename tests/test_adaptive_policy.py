@@ -170,8 +170,18 @@ def test_acceptance_that_collapses_and_recovers():
     assert "fallback" in modes and modes[-1] == "speculate"
 
 
-def test_new_requests_probe_early_but_less_often_while_probes_fail():
+def test_every_new_request_probes_early_by_default():
     v = AdaptiveVerifier({"max_probe_interval": 512})
+    probed = []
+    for request in range(8):
+        v.begin(10)
+        drive(v, 30, never, FLAT, start=10)
+        probed.append("probe" in v.decisions()["actions"])
+    assert all(probed)
+
+
+def test_new_requests_probe_early_but_less_often_while_probes_fail():
+    v = AdaptiveVerifier({"max_probe_interval": 512, "request_probe_gap": 4})
     probed = []
     for request in range(14):
         v.begin(10)

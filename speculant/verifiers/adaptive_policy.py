@@ -20,8 +20,9 @@ next cycle submits the full width, and if a probe cycle beat plain decoding in t
 second, speculation resumes. A failed probe doubles the interval, from ``probe_interval`` up
 to ``max_probe_interval`` and never below what keeps failing probes within ``probe_budget`` of
 plain-decoding time; a new request probes within ``probe_interval`` cycles
-(``probe_each_request``), every request at first, every 2nd and then every 4th while those
-probes keep failing. While
+(``probe_each_request``): every request by default, since one request's content says little about
+the next (a narrow probe costs about one draft); with ``request_probe_gap`` = 4, every 2nd and then
+every 4th request while those probes keep failing. While
 speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
 is close to competitive, and every 8 cycles while the plain-step cost at this context length
 rests on fewer than three samples. The first cycles of a policy's life are a warm-up: one full-width
@@ -45,7 +46,6 @@ from speculant.verifiers.adaptive_drift import DriftDetector, token_distribution
 
 TRUSTED = RunningMean.TRUSTED
 CHECK_EVERY = 4  # cycles between speculation-vs-plain comparisons unless the margin is thin
-MAX_REQUEST_GAP = 4  # at least every 4th request probes early while in fallback
 REFRESH_SOON = 8  # speculative cycles between plain steps while the plain-step cost is uncertain
 
 
@@ -65,6 +65,7 @@ class AdaptiveOptions(BaseModel):
     max_probe_interval: int = Field(512, ge=1, description="most plain cycles between re-probes")
     probe_cycles: int = Field(2, ge=1, description="narrow probe cycles before a probe counts as failed")
     probe_each_request: bool = Field(True, description="probe at the start of every request while in fallback")
+    request_probe_gap: int = Field(1, ge=1, description="while request-start probes fail, at most this many requests between them")
     refresh_interval: int = Field(64, ge=1, description="speculative cycles between plain-step re-measurements")
     request_carryover: float = Field(0.5, ge=0.0, le=1.0, description="share of acceptance evidence a new request keeps")
     warmup: bool = True
@@ -253,7 +254,7 @@ class AdaptivePolicy:
         self.interval = min(max(2 * self.interval, self.min_interval()), self.o.max_probe_interval)
         self.mode, self.countdown = "fallback", self.interval
         if self.request_probe:
-            self.request_gap, self.request_probe = min(2 * self.request_gap, MAX_REQUEST_GAP), False
+            self.request_gap, self.request_probe = min(2 * self.request_gap, self.o.request_probe_gap), False
         self._event("fallback", f"probe: {what}; next probe in {self.interval} cycles", est)
 
     # -- estimates ---------------------------------------------------------------------------
@@ -284,8 +285,8 @@ class AdaptivePolicy:
         self.drift.reset()
         self.requests_waited += 1
         if self.mode == "fallback" and self.o.probe_each_request and self.requests_waited >= self.request_gap:
-            # a new request may be easier (its first tokens are atypical, so not at once); after
-            # failed request-start probes only every 2nd, then every 4th request probes early
+            # a new request may be easier (its first tokens are atypical, so not at once); with a
+            # request_probe_gap, failed request-start probes make later requests probe less often
             self.countdown = min(self.countdown, self.o.probe_interval)
             self.requests_waited = 0
             self.request_probe = True
