@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -161,10 +159,10 @@ def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):
         "    import os, torch.distributed as dist\n"
         "    (Path(out) / f'rank{os.environ[\"RANK\"]}-of-{dist.get_world_size()}').touch()\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(script), str(tokenizer_dir), str(tmp_path / "out")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    from two_processes import run_two_processes
+
+    env = {"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = run_two_processes([script, tokenizer_dir, tmp_path / "out"], clean=tmp_path / "out", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "out" / "model" / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "out").glob("rank*")) == ["rank0-of-2", "rank1-of-2"]

@@ -161,10 +161,6 @@ def test_cli_trains_resumably(trained_target, tmp_path):
 def test_two_process_data_parallel_mtp(trained_target, sequences, tmp_path):
     """Two CPU processes (torchrun; gloo): gradients are synchronised, so both ranks end with
     the same weights, and only the main process writes the folder."""
-    import os
-    import subprocess
-    import sys
-
     np.save(tmp_path / "sequences.npy", sequences[:8])
     script = tmp_path / "run.py"
     script.write_text(
@@ -183,9 +179,11 @@ def test_two_process_data_parallel_mtp(trained_target, sequences, tmp_path):
         "mtp.train_mtp(sys.argv[1], sequences, 8, sys.argv[3],\n"
         "              settings=TrainSettings(steps=3, lr=1e-2, bf16=False, checkpoint_every=3), batch=2)\n"
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(script),
-           str(trained_target), str(tmp_path / "sequences.npy"), str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from two_processes import run_two_processes
+
+    for rank in (0, 1):
+        (tmp_path / f"out.rank{rank}").unlink(missing_ok=True)
+    proc = run_two_processes([script, trained_target, tmp_path / "sequences.npy", tmp_path / "out"], clean=tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # each rank writes its own file: rank 0's progress bar shares stdout with rank 1
     sums = [(tmp_path / f"out.rank{rank}").read_text() for rank in (0, 1)]
