@@ -54,9 +54,12 @@ def train(
     from accelerate.state import AcceleratorState
 
     # accelerate keeps one process-wide state and refuses a second precision; each train() call
-    # owns its Accelerator, so start from a fresh one (the process group, PartialState, is kept)
-    AcceleratorState._reset_state()
-    accelerator = Accelerator(mixed_precision="bf16" if settings.bf16 else "no", cpu=not torch.cuda.is_available())
+    # owns its Accelerator, so a different precision starts from a fresh one (the process
+    # group, PartialState, is kept)
+    precision = "bf16" if settings.bf16 else "no"
+    if AcceleratorState._shared_state.get("_mixed_precision", precision) != precision:
+        AcceleratorState._reset_state()
+    accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95))
     checkpoint_dir = Path(checkpoint_dir)
