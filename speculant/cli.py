@@ -220,7 +220,8 @@ def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: 
                        ignore_eos=True)
     plain_rate = result.stats.decode_tokens_per_s
     speed_up = stats.decode_tokens_per_s / plain_rate if plain_rate else float("nan")
-    same = sum(1 for _ in _common_prefix(speculative_ids, result.token_ids))
+    same = next((i for i, (a, b) in enumerate(zip(speculative_ids, result.token_ids)) if a != b),
+                min(len(speculative_ids), len(result.token_ids)))  # length of the common prefix
     report = {"speculative_decode_tokens_per_s": stats.decode_tokens_per_s, "plain_decode_tokens_per_s": plain_rate,
               "speed_up": speed_up, "mean_acceptance_length": stats.mean_acceptance_length,
               "identical_tokens": same, "new_tokens": len(speculative_ids)}
@@ -235,13 +236,6 @@ def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: 
         note = (" (bfloat16/float16 round a block forward and a one-token forward differently; "
                 "--dtype float32 compares exactly)" if config.backend.dtype in ("bfloat16", "float16") else "")
         print(f"outputs agree on the first {same} of {len(speculative_ids)} tokens{note}", file=sys.stderr)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]):
-    for x, y in zip(a, b):
-        if x != y:
-            return
-        yield x
 
 
 def stream(engine: Any, prompt: str, add_special_tokens: bool = True):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -29,24 +28,12 @@ def add_parser(sub) -> None:
     _loop_flags(tgt, steps=2000, lr=1e-3)
     tgt.set_defaults(func=cmd_target)
 
-    dfl = steps.add_parser("dflash", help="train a DFlash drafter against a local target")
-    dfl.add_argument("--target", required=True, type=Path)
-    dfl.add_argument("--out", required=True, type=Path)
-    dfl.add_argument("--block-size", type=int, default=8)
-    dfl.add_argument("--layers", type=int, default=2)
-    dfl.add_argument("--features", type=int, default=3, help="number of target layers read")
-    _sequence_flags(dfl)
-    dfl.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
-    dfl.add_argument("--batch", type=int, default=4)
+    dfl = _drafter_parser(steps, "dflash", "train a DFlash drafter against a local target", block=True)
     _loop_flags(dfl, steps=1000, lr=6e-4)
     dfl.set_defaults(func=cmd_dflash)
 
-    dfl2 = steps.add_parser("dflash2", help="train a DFlash2 drafter (convolutions + candidate selector) against a local target")
-    dfl2.add_argument("--target", required=True, type=Path)
-    dfl2.add_argument("--out", required=True, type=Path)
-    dfl2.add_argument("--block-size", type=int, default=8)
-    dfl2.add_argument("--layers", type=int, default=2)
-    dfl2.add_argument("--features", type=int, default=3, help="number of target layers read")
+    dfl2 = _drafter_parser(steps, "dflash2", "train a DFlash2 drafter (convolutions + candidate selector) against a local target",
+                           block=True)
     dfl2.add_argument("--conv-kernel-size", type=int, default=2)
     dfl2.add_argument("--conv-group-size", type=int, default=16)
     dfl2.add_argument("--selector-rank", type=int, default=32)
@@ -54,17 +41,10 @@ def add_parser(sub) -> None:
     dfl2.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector cross-entropy")
     dfl2.add_argument("--init-from", type=Path, metavar="DFLASH_DIR",
                       help="start the backbone from a trained DFlash draft of the same target and shape")
-    _sequence_flags(dfl2)
-    dfl2.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
-    dfl2.add_argument("--batch", type=int, default=4)
     _loop_flags(dfl2, steps=1000, lr=6e-4)
     dfl2.set_defaults(func=cmd_dflash2)
 
-    mtp = steps.add_parser("mtp", help="train a Qwen-layout MTP head (mtp.*) against a local target")
-    mtp.add_argument("--target", required=True, type=Path)
-    mtp.add_argument("--out", required=True, type=Path)
-    _sequence_flags(mtp)
-    mtp.add_argument("--batch", type=int, default=4)
+    mtp = _drafter_parser(steps, "mtp", "train a Qwen-layout MTP head (mtp.*) against a local target", block=False)
     _loop_flags(mtp, steps=1000, lr=6e-4)
     mtp.set_defaults(func=cmd_mtp)
 
@@ -76,6 +56,21 @@ def add_parser(sub) -> None:
     ev.add_argument("--prompts", type=int, default=8)
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.set_defaults(func=cmd_evaluate)
+
+
+def _drafter_parser(steps, name: str, help: str, block: bool):
+    """The flags every drafter trainer shares; ``block`` adds the DFlash-family shape flags."""
+    parser = steps.add_parser(name, help=help)
+    parser.add_argument("--target", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    if block:
+        parser.add_argument("--block-size", type=int, default=8)
+        parser.add_argument("--layers", type=int, default=2)
+        parser.add_argument("--features", type=int, default=3, help="number of target layers read")
+        parser.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
+    _sequence_flags(parser)
+    parser.add_argument("--batch", type=int, default=4)
+    return parser
 
 
 def _sequence_flags(parser) -> None:

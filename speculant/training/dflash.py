@@ -126,12 +126,18 @@ def init_draft(cfg: DFlashConfig, seed: int):
     return model
 
 
-def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFlashConfig:
-    tcfg = json.loads((target_dir / "config.json").read_text())
+def mask_token_id(target_dir: Path, drafter: str = "DFlash") -> int:
+    """The id of the target tokenizer's ``<|mask|>`` token (the block's placeholder)."""
     tok = json.loads((target_dir / "tokenizer.json").read_text())
     mask = next((t["id"] for t in tok.get("added_tokens", []) if t["content"] in ("<|mask|>", "<|MASK|>")), None)
     if mask is None:
-        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; add one (DFlash needs a mask id inside the vocab)")
+        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; add one ({drafter} needs a mask id inside the vocab)")
+    return mask
+
+
+def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFlashConfig:
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    mask = mask_token_id(target_dir)
     layer_ids = default_layer_ids(tcfg["num_hidden_layers"], shape.num_features)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(

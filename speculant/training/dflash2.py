@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import anchor_batch, default_layer_ids, draft_forward, weighted_block_ce
+from speculant.training.dflash import anchor_batch, default_layer_ids, draft_forward, mask_token_id, weighted_block_ce
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -66,10 +66,7 @@ def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
 
 def new_dflash2_config(target_dir: Path, out_dir: Path, shape: DFlash2Shape) -> DFlashConfig:
     tcfg = json.loads((target_dir / "config.json").read_text())
-    tok = json.loads((target_dir / "tokenizer.json").read_text())
-    mask = next((t["id"] for t in tok.get("added_tokens", []) if t["content"] in ("<|mask|>", "<|MASK|>")), None)
-    if mask is None:
-        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; add one (DFlash2 needs a mask id inside the vocab)")
+    mask = mask_token_id(target_dir, "DFlash2")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(dflash2_config(tcfg, mask, shape), indent=2))
     cfg, problems = parse_config(out_dir)
