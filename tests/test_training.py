@@ -12,12 +12,8 @@ torch = pytest.importorskip("torch")
 
 import speculant  # noqa: E402
 from speculant.training.loop import TrainSettings  # noqa: E402
+from training_helpers import TEXTS, lossless_acceptance  # noqa: E402
 
-TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "for i in range(10):\n    print(i * i)\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-] * 20
 
 
 @pytest.fixture(scope="module")
@@ -124,16 +120,7 @@ def test_dflash_training_learns_and_is_lossless(trained_target, tmp_path):
     assert np.mean(history[-10:]) < 0.7 * np.mean(history[:5])
     config = json.loads((draft / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["mask_token_id"] == 1
-    spec = speculant.Engine.from_config({"target": {"path": str(trained_target)},
-                                         "drafter": {"kind": "dflash", "path": str(draft)}})
-    plain = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
-    taus = []
-    for row in range(4):
-        prompt = sequences[row, :8].tolist()
-        result = spec.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
-        assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True).token_ids
-        taus.append(result.stats.mean_acceptance_length)
-    assert np.mean(taus) > 1.5  # it learned the target's behaviour (an untrained draft gets ~1.0)
+    assert lossless_acceptance(trained_target, "dflash", draft, sequences) > 1.5  # it learned the target's behaviour (an untrained draft gets ~1.0)
 
 
 def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 import speculant  # noqa: E402
 from speculant.training.loop import TrainSettings  # noqa: E402
+from training_helpers import lossless_acceptance  # noqa: E402
 from test_training_mtp import sequences, target_and_stream, trained_target  # noqa: E402,F401  (module fixtures)
 
 SHAPE = dict(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=16, conv_group_size=16,
@@ -139,16 +140,7 @@ def test_dflash2_training_learns_and_is_lossless(trained_target, sequences, tmp_
     assert "candidate_selector.predecessor_codebook" in names and "layers.0.attention_conv.base_kernel" in names
     assert successor.abs().max() > 0  # the selector trained away from its identity start
 
-    spec = speculant.Engine.from_config({"target": {"path": str(trained_target)},
-                                         "drafter": {"kind": "dflash2", "path": str(draft)}})
-    plain = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
-    taus = []
-    for row in range(4):
-        prompt = sequences[row, :8].tolist()
-        result = spec.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
-        assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True).token_ids
-        taus.append(result.stats.mean_acceptance_length)
-    assert np.mean(taus) > 1.5
+    assert lossless_acceptance(trained_target, "dflash2", draft, sequences) > 1.5
 
 
 def test_cli_dflash2(trained_target, tmp_path):

@@ -12,12 +12,8 @@ torch = pytest.importorskip("torch")
 
 import speculant  # noqa: E402
 from speculant.training.loop import TrainSettings  # noqa: E402
+from training_helpers import TEXTS, lossless_acceptance  # noqa: E402
 
-TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "for i in range(10):\n    print(i * i)\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-] * 20
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +114,7 @@ def test_mtp_training_learns_and_is_lossless(trained_target, sequences, trained_
             "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.mlp.down_proj.weight"} <= names
     assert all(n.startswith("mtp.") for n in names)
 
-    spec = speculant.Engine.from_config({"target": {"path": str(trained_target)},
-                                         "drafter": {"kind": "mtp", "path": str(folder)}})
-    plain = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
-    taus = []
-    for row in range(4):
-        prompt = sequences[row, :8].tolist()
-        result = spec.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
-        assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True).token_ids
-        taus.append(result.stats.mean_acceptance_length)
-    assert np.mean(taus) > 1.2  # it learned x_{t+2} (an untrained head gets ~1.0)
+    assert lossless_acceptance(trained_target, "mtp", folder, sequences) > 1.2  # it learned x_{t+2} (an untrained head gets ~1.0)
 
 
 def test_cli_trains_resumably(trained_target, tmp_path):
