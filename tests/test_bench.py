@@ -201,11 +201,32 @@ def test_cli_bench_command(planted_pair, tmp_path, capsys):
     assert (out / "plots" / "speedup_vs_block_size.png").is_file()
 
 
+def test_quick_uses_the_shipped_pair_with_a_draft_per_kind(tmp_path):
+    import argparse
+
+    from speculant import embedded
+    from speculant.bench.command import add_parser, build_config
+
+    if not embedded.available():
+        pytest.skip("the shipped pair is not in this checkout")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--quick", "--out", str(tmp_path / "out"), "--no-progress"])
+    said: list[str] = []
+    cfg = build_config(args, said.append)
+    assert said == [] and cfg.targets[0].path == embedded.PAIR_DIR / "target"
+    for drafter in cfg.matrix.drafters:
+        expected = None if not drafter.enabled else embedded.PAIR_DIR / drafter.kind
+        assert cfg.drafter_path(drafter) == expected
+
+
 def test_quick_falls_back_to_a_tiny_pair(tmp_path, monkeypatch, torch_threads):
+    from speculant import embedded
     from speculant.bench.command import QUICK, add_parser, build_config
 
     import argparse
 
+    monkeypatch.setattr(embedded, "PAIR_DIR", tmp_path / "no-shipped-pair")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())

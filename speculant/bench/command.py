@@ -111,7 +111,7 @@ def build_config(args: argparse.Namespace, say=print) -> BenchConfig:
             raise ConfigError("no model given: pass --config bench.toml, --target MODEL_DIR, or --quick")
         target, draft = default_pair(say)
         data["target"] = str(target)
-        data["draft"] = data.get("draft") or str(draft)
+        data["draft"] = data.get("draft") or (str(draft) if isinstance(draft, Path) else {k: str(v) for k, v in draft.items()})
     return BenchConfig.load(data)
 
 
@@ -121,16 +121,21 @@ def _merge(base: dict, preset: dict) -> dict:
     return out
 
 
-def default_pair(say=print) -> tuple[Path, Path]:
-    """The default (target, draft) for --quick. speculant has no embedded model pair yet, so this
-    builds (once) a tiny random Qwen3 target and DFlash draft with a planted shared bias, cached
-    under $XDG_CACHE_HOME/speculant; its numbers exercise the pipeline, not a real model."""
+def default_pair(say=print) -> tuple[Path, Path | dict[str, Path]]:
+    """The default (target, draft) for --quick: the model pair shipped with speculant (a draft
+    folder per drafter kind). Where an install lacks it, a tiny random Qwen3 target and DFlash
+    draft with a planted shared bias, built once under $XDG_CACHE_HOME/speculant; their numbers
+    exercise the pipeline, not a real model."""
     import importlib
 
+    from speculant import embedded
+
+    if embedded.available():
+        return embedded.PAIR_DIR / "target", {kind: embedded.PAIR_DIR / kind for kind in embedded.DRAFTERS}
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "speculant" / f"bench-tiny-pair-{TINY_PAIR_VERSION}"
     target, draft = cache / "target", cache / "draft"
     marker = cache / "complete"
-    say("speculant bench: no default model pair is available yet (the embedded pair is not built); "
+    say("speculant bench: no default model pair is available (the shipped pair is missing from this install); "
         f"using a tiny random planted test pair at {cache}. Its numbers exercise the benchmark, "
         "they say nothing about real models.")
     if not marker.is_file():
