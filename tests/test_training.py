@@ -154,3 +154,19 @@ def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):
     assert (tmp_path / "out" / "model" / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "out").glob("rank*")) == ["rank0-of-2", "rank1-of-2"]
     assert json.loads((tmp_path / "out" / "checkpoint" / "state.json").read_text())["step"] == 6
+
+
+def test_chosen_target_layer_ids_reach_the_draft_config(trained_target, tmp_path):
+    from speculant.cli import build_parser
+    from speculant.training.dflash import DFlashShape, new_draft_config
+
+    args = build_parser().parse_args(["train", "dflash", "--target", str(trained_target), "--out", str(tmp_path),
+                                      "--target-layer-ids", "0,1"])
+    assert args.target_layer_ids == (0, 1)
+    cfg = new_draft_config(trained_target, tmp_path / "d", DFlashShape(num_features=2, target_layer_ids=(0, 1)))
+    assert cfg.target_layer_ids == [0, 1]
+    layers = json.loads((trained_target / "config.json").read_text())["num_hidden_layers"]
+    with pytest.raises(ValueError, match=f"0..{layers - 1}"):
+        new_draft_config(trained_target, tmp_path / "e", DFlashShape(num_features=2, target_layer_ids=(0, layers)))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "dflash", "--target", "t", "--out", "o", "--target-layer-ids", "1,x"])

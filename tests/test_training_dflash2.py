@@ -181,7 +181,7 @@ def test_warm_start_from_dflash_drafts_exactly_as_that_dflash(trained_target, se
     shape = mod.DFlash2Shape(**SHAPE)
     cfg = mod.new_dflash2_config(trained_target, tmp_path / "dflash2", shape)
     model = mod.init_dflash2(cfg, seed=3)
-    mod.warm_start(model, source)
+    mod.warm_start(model, source, cfg.target_layer_ids)
     mod.save_dflash2(model, tmp_path / "dflash2")
     runs = []
     for kind, path in (("dflash", source), ("dflash2", tmp_path / "dflash2")):
@@ -191,6 +191,10 @@ def test_warm_start_from_dflash_drafts_exactly_as_that_dflash(trained_target, se
     assert runs[0] == runs[1]
     assert sum(runs[0][1]) > len(runs[0][1])  # some drafts were accepted: the comparison is not vacuous
 
-    wider = mod.init_dflash2(mod.new_dflash2_config(trained_target, tmp_path / "wide", mod.DFlash2Shape(**{**SHAPE, "num_features": 3})), 0)
+    deeper_cfg = mod.new_dflash2_config(trained_target, tmp_path / "deep", mod.DFlash2Shape(**{**SHAPE, "num_layers": 2}))
     with pytest.raises(ValueError, match="does not match this DFlash2 backbone"):
-        mod.warm_start(wider, source)
+        mod.warm_start(mod.init_dflash2(deeper_cfg, 0), source, deeper_cfg.target_layer_ids)
+    other = (0, 2)  # same width as the source's [1, 1], other layers: the weights fit but mean something else
+    other_cfg = mod.new_dflash2_config(trained_target, tmp_path / "other", mod.DFlash2Shape(**{**SHAPE, "target_layer_ids": other}))
+    with pytest.raises(ValueError, match="reads target layers"):
+        mod.warm_start(mod.init_dflash2(other_cfg, 0), source, other_cfg.target_layer_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -67,10 +68,20 @@ def _drafter_parser(steps, name: str, help: str, block: bool):
         parser.add_argument("--block-size", type=int, default=8)
         parser.add_argument("--layers", type=int, default=2)
         parser.add_argument("--features", type=int, default=3, help="number of target layers read")
+        parser.add_argument("--target-layer-ids", type=_layer_ids, metavar="IDS",
+                            help="comma-separated target layers to read, e.g. 1,4,7 (sets --features); "
+                                 "default: the published spacing 1..N-3")
         parser.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
     _sequence_flags(parser)
     parser.add_argument("--batch", type=int, default=4)
     return parser
+
+
+def _layer_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer ids such as 1,4,7") from None
 
 
 def _sequence_flags(parser) -> None:
@@ -139,7 +150,8 @@ def cmd_dflash(args) -> int:
     from speculant.training.dflash import DFlashShape, train_dflash
 
     sequences = target_sequences(args)
-    shape = DFlashShape(args.layers, args.block_size, args.features, args.anchors)
+    ids = args.target_layer_ids
+    shape = DFlashShape(args.layers, args.block_size, len(ids) if ids else args.features, args.anchors, ids)
     path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
     print(f"draft saved to {path}")
     return 0
@@ -149,7 +161,9 @@ def cmd_dflash2(args) -> int:
     from speculant.training.dflash2 import DFlash2Shape, train_dflash2
 
     sequences = target_sequences(args)
-    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size, num_features=args.features,
+    ids = args.target_layer_ids
+    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size,
+                         num_features=len(ids) if ids else args.features, target_layer_ids=ids,
                          anchors_per_sequence=args.anchors, conv_kernel_size=args.conv_kernel_size,
                          conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
                          selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)

@@ -31,12 +31,25 @@ class DFlashShape:
     block_size: int = 8
     num_features: int = 3
     anchors_per_sequence: int = 32
+    target_layer_ids: tuple[int, ...] | None = None  # None: the published spacing for num_features
 
 
 def default_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     from speculant.drafters.dflash.config import default_target_layer_ids
 
     return default_target_layer_ids(num_target_layers, num_features)
+
+
+def shape_layer_ids(shape, num_target_layers: int) -> list[int]:
+    """The target layers a new draft reads: ``shape.target_layer_ids`` if given, checked against the target."""
+    if shape.target_layer_ids is None:
+        return default_layer_ids(num_target_layers, shape.num_features)
+    ids = list(shape.target_layer_ids)
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad or not ids:
+        raise ValueError(f"target_layer_ids {ids}: need layer ids in 0..{num_target_layers - 1} "
+                         f"(the target has {num_target_layers} layers)")
+    return ids
 
 
 @torch.no_grad()
@@ -138,7 +151,7 @@ def mask_token_id(target_dir: Path, drafter: str = "DFlash") -> int:
 def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFlashConfig:
     tcfg = json.loads((target_dir / "config.json").read_text())
     mask = mask_token_id(target_dir)
-    layer_ids = default_layer_ids(tcfg["num_hidden_layers"], shape.num_features)
+    layer_ids = shape_layer_ids(shape, tcfg["num_hidden_layers"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(
         published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size), indent=2))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import anchor_batch, default_layer_ids, draft_forward, mask_token_id, weighted_block_ce
+from speculant.training.dflash import anchor_batch, draft_forward, mask_token_id, shape_layer_ids, weighted_block_ce
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -49,11 +49,12 @@ class DFlash2Shape:
     selector_top_k: int = 8
     sliding_window: int = 2048
     selector_weight: float = 1.0
+    target_layer_ids: tuple[int, ...] | None = None  # None: the published spacing for num_features
 
 
 def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
     """The published DFlash2 config.json layout (every DFlash key inside ``dflash_config``)."""
-    layer_ids = default_layer_ids(target["num_hidden_layers"], shape.num_features)
+    layer_ids = shape_layer_ids(shape, target["num_hidden_layers"])
     keys = {"conv_kernel_size": shape.conv_kernel_size, "conv_group_size": shape.conv_group_size,
             "selector_rank": shape.selector_rank, "selector_top_k": shape.selector_top_k}
     config = published_config(target, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window,
@@ -152,18 +153,24 @@ def save_dflash2(model, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def warm_start(model, dflash_dir: str | Path) -> None:
-    """Copy a trained DFlash draft (same target, layers, features) into the DFlash2 backbone.
+def warm_start(model, dflash_dir: str | Path, target_layer_ids: list[int]) -> None:
+    """Copy a trained DFlash draft (same target, layers, target layer ids) into the DFlash2 backbone.
 
     The convolutions start as identity and the successor codebook at zero, so the result drafts
     exactly as that DFlash draft does; training then only has to add what DFlash2 adds.
     """
     from safetensors.torch import load_file
 
+    source_ids = json.loads((Path(dflash_dir) / "config.json").read_text()).get("dflash_config", {}).get("target_layer_ids")
+    if source_ids != list(target_layer_ids):
+        raise ValueError(f"{dflash_dir} reads target layers {source_ids}, this DFlash2 draft {list(target_layer_ids)}; "
+                         "pass the same --target-layer-ids")
     source = load_file(str(Path(dflash_dir) / "model.safetensors"))
     own = model.state_dict()
     problems = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape) if k in own else 'absent'}"
                 for k, v in source.items() if k not in own or own[k].shape != v.shape]
+    problems += [f"{k} absent from the DFlash draft" for k in own
+                 if k not in source and not k.startswith("candidate_selector.") and "_conv." not in k]
     if problems:
         raise ValueError(f"{dflash_dir} does not match this DFlash2 backbone: " + "; ".join(problems[:5]))
     with torch.no_grad():
@@ -188,7 +195,7 @@ def train_dflash2(
     cfg = new_dflash2_config(target_dir, out_dir, shape)
     model = init_dflash2(cfg, settings.seed)
     if init_from is not None:
-        warm_start(model, init_from)
+        warm_start(model, init_from, cfg.target_layer_ids)
     capture = Capture(tuple(cfg.target_layer_ids))
     S, B = sequences.shape[1], cfg.block_size
     low, high = max(0, prompt_len - 1), S - B
