@@ -196,6 +196,59 @@ def test_new_requests_probe_early_but_less_often_while_probes_fail():
     assert widths[-1] == K and request < 4
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_lucky_first_draft_does_not_resume_speculation(seed):
+    """Only the first draft passes, half the time, and a draft costs 0.6 of a plain step:
+    speculating at any width commits 1.5 tokens in 1.6 steps, so plain decoding is right. A
+    probe whose first draft passes (one cheap draft beating one plain step) must not switch
+    speculation back on; resuming on that single cycle's rate lost 2.5 % here, this loses about 1 %."""
+    rng = np.random.default_rng(seed)
+    v = AdaptiveVerifier()
+    tokens = seconds = 0.0
+    for c in range(3000):
+        ctx = 100 + c
+        n = v.plan(Draft(np.zeros(K, dtype=np.int64), K), K, ctx) if v.wants_draft(K, ctx) else None
+        draft_s = 0.0 if n is None else 0.6e-3
+        n = n or 0
+        accepted = int(n > 0 and rng.random() < 0.5)
+        v.observe(Verification(accepted, [1] * (accepted + 1)), n, CycleTiming(ctx, n, K if draft_s else 0, FLAT[n], draft_s, 0.0))
+        tokens += accepted + 1
+        seconds += FLAT[n] + draft_s
+    assert v.decisions()["actions"].count("probe") >= 40  # it kept probing, and about half the probes passed
+    assert tokens / seconds >= 0.985 / FLAT[0]
+
+
+def test_a_request_probes_twice_on_its_own_schedule():
+    """After a run of hopeless requests (long global back-off), a request whose text becomes
+    predictable only after its first probe is found by its second probe, not after the back-off."""
+    v = AdaptiveVerifier({"max_probe_interval": 512, "request_probe_delay": 5, "probe_interval": 8})
+    for _ in range(6):
+        v.begin(10)
+        drive(v, 60, never, FLAT, start=10, draft_s=0.6e-3)
+    assert v.decisions()["next_probe_in"] > 30  # the global back-off has grown
+    v.begin(10)
+    late = lambda c, n, conf: 0 if c < 8 else n  # noqa: E731  (predictable from cycle 8 on)
+    widths = drive(v, 60, late, FLAT, start=10, draft_s=0.6e-3)
+    actions = v.decisions()["actions"]
+    assert actions[5] == "probe" and actions[6] != "probe"  # one single-draft try at the delay
+    assert actions[13] == "probe"  # the second request probe, probe_interval later
+    assert all(w == K for w in widths[16:])
+
+
+def test_a_request_after_a_predictable_one_falls_back_within_a_few_cycles():
+    """The evidence a new request carries over says whole blocks pass; when none does, the
+    drift test must notice within its window instead of letting that evidence decay (17 cycles)."""
+    steep = [1e-3 * (1.0 + 0.15 * w) for w in range(8)]  # verify cost grows as on a small CPU target
+    v = AdaptiveVerifier()
+    v.begin(10)
+    mostly = lambda c, n, conf: 0 if c % 7 == 6 else n  # noqa: E731  (whole blocks, one cycle in seven nothing)
+    drive(v, 60, mostly, steep, draft_s=0.7e-3, k=7, start=10)
+    v.begin(10)
+    widths = drive(v, 40, never, steep, draft_s=0.7e-3, k=7, start=10)
+    assert next(i for i, w in enumerate(widths) if w == 0) <= 4
+    assert v.decisions()["events"][0]["reason"].startswith("acceptance dropped")
+
+
 def test_partial_acceptance_on_staircase_costs_settles_on_the_stair_edge():
     v = AdaptiveVerifier()
     widths = drive(v, 600, geometric(0.8), STAIRS)

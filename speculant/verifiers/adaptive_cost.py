@@ -118,10 +118,6 @@ class CostModel:
         if seconds > 0.0:
             self.rest.add(seconds / self.load, self.alpha)
 
-    def deflate(self, seconds: float) -> float:
-        """Wall seconds measured now, in the unit of the estimates (load removed)."""
-        return seconds / self.load if self.table is None else seconds
-
     # -- estimates ---------------------------------------------------------------------------
     def measured(self, width: int, context_length: int) -> int:
         """How many samples of this width the current context bucket holds."""

@@ -24,9 +24,9 @@ class DriftDetector:
     (the window's median) the new level.
     """
 
-    WINDOW = 4
-    Z = 3.0
-    RATIO = 1e-4
+    WINDOW = 3
+    Z = 2.0
+    RATIO = 1e-2
     GRID = [i / 20 for i in range(21)]
 
     def __init__(self) -> None:

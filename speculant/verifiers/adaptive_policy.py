@@ -15,14 +15,17 @@ speculative rate) from history, and each cycle
 
 Fallback is decided for a full block (a short last cycle of a request only skips its draft).
 It is never final: after an interval of plain cycles a probe submits one draft (or as many as
-cost no more than one), up to ``probe_cycles`` times until the first draft passes; then the
-next cycle submits the full width, and if a probe cycle beat plain decoding in tokens per
-second, speculation resumes. A failed probe doubles the interval, from ``probe_interval`` up
+cost no more than one), up to ``probe_cycles`` times until the first draft passes. Speculation
+resumes only when the acceptance model, now holding the probe's evidence, says it beats plain
+decoding; otherwise a probe that passed escalates to one full-width cycle. (The probe cycle's
+own tokens per second would be biased: a cycle whose first draft passed beats a plain step even
+where speculation does not pay.) A failed probe doubles the interval, from ``probe_interval`` up
 to ``max_probe_interval`` and never below what keeps failing probes within ``probe_budget`` of
-plain-decoding time; a new request probes within ``probe_interval`` cycles
-(``probe_each_request``): every request by default, since one request's content says little about
-the next (a narrow probe costs about one draft); with ``request_probe_gap`` = 4, every 2nd and then
-every 4th request while those probes keep failing. While
+plain-decoding time. A new request in fallback (``probe_each_request``) has its own schedule,
+since one request's content says little about the next: ``request_probes`` single-draft probes,
+the first ``request_probe_delay`` cycles in (a request's first tokens are atypical), then
+``probe_interval`` apart; only then does the back-off apply. With ``request_probe_gap`` = 4,
+requests probe every 2nd and then every 4th time while those probes keep failing. While
 speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
 is close to competitive, and every 8 cycles while the plain-step cost at this context length
 rests on fewer than three samples. The first cycles of a policy's life are a warm-up: one full-width
@@ -65,6 +68,8 @@ class AdaptiveOptions(BaseModel):
     max_probe_interval: int = Field(512, ge=1, description="most plain cycles between re-probes")
     probe_cycles: int = Field(2, ge=1, description="narrow probe cycles before a probe counts as failed")
     probe_each_request: bool = Field(True, description="probe at the start of every request while in fallback")
+    request_probe_delay: int = Field(7, ge=1, description="cycles into a request before its first probe (its first tokens are atypical)")
+    request_probes: int = Field(2, ge=1, description="single-draft probes a request makes, probe_interval apart, before the global back-off applies")
     request_probe_gap: int = Field(1, ge=1, description="while request-start probes fail, at most this many requests between them")
     refresh_interval: int = Field(64, ge=1, description="speculative cycles between plain-step re-measurements")
     request_carryover: float = Field(0.5, ge=0.0, le=1.0, description="share of acceptance evidence a new request keeps")
@@ -108,6 +113,7 @@ class AdaptivePolicy:
         self.request_gap = 1  # requests between request-start probes while they keep failing
         self.requests_waited = 0
         self.request_probe = False  # the current probe was scheduled by a request start
+        self.request_probes_left = 0  # request probes still to come in this request
         self.since_plain = 0
         self.speculated = 0  # speculative decisions made (schedules exploration)
         self.rate = 0.0
@@ -191,14 +197,12 @@ class AdaptivePolicy:
         action = self.action or "plain:short"
         self.action = None
         self.cycle += 1
-        cycle_s = 0.0
         if timing is not None:
             self.costs.add_target(submitted + 1, timing.context_length, timing.target_s)
             if timing.drafted:
                 self.costs.add_draft(timing.draft_s)
             self.costs.add_rest(timing.commit_s + verify_s)
             self.context_length = timing.context_length
-            cycle_s = self.costs.deflate(timing.target_s + timing.draft_s + timing.commit_s + verify_s)
         if submitted:
             self.acceptance.observe(submitted, accepted, self.confidence)
             change = self.drift.update(accepted + 1, self.predicted)
@@ -217,7 +221,7 @@ class AdaptivePolicy:
             if not self.warmup_steps:
                 self.mode, self.checks_due = "speculate", 0
         elif self.mode == "probe":
-            self._after_probe(submitted, accepted, cycle_s)
+            self._after_probe(submitted, accepted)
         return action
 
     def _narrow_width(self, k: int, context_length: int) -> int:
@@ -226,36 +230,43 @@ class AdaptivePolicy:
         limit = 1.1 * costs[1] if k >= 1 else 0.0
         return max([n for n in range(1, k + 1) if costs[n] <= limit], default=min(1, k))
 
-    def _after_probe(self, submitted: int, accepted: int, cycle_s: float) -> None:
-        """Resume speculating when a probe's first draft passed and either the acceptance model
-        (now holding the probe's evidence) or the probe cycle itself (tokens per second) beats
-        plain decoding. A narrow probe that passed but does not yet show that escalates to one
-        full-width cycle; a rejected first draft is retried up to ``probe_cycles`` times. Any
-        other outcome waits twice as long (at least the budget interval) for the next probe."""
+    def _after_probe(self, submitted: int, accepted: int) -> None:
+        """Resume speculating when a probe's first draft passed and the acceptance model (now
+        holding the probe's evidence) beats plain decoding. A narrow probe that passed but does
+        not show that escalates to one full-width cycle; a rejected first draft is retried up to
+        ``probe_cycles`` times (once for a request probe, which has a second one scheduled). Any
+        other outcome waits for the request's next probe, or twice as long as last time (at
+        least the budget interval)."""
         est = self.estimate(self.k_block, self.context_length)
         narrow = self.probe_stage == "narrow" and submitted < self.k
         if accepted == 0:
             self.probe_tries += 1
-            if narrow and self.probe_tries < self.o.probe_cycles:  # the anchor may just have been a bad one
+            tries = 1 if self.request_probe else self.o.probe_cycles  # a request probe gets a second chance later
+            if narrow and self.probe_tries < tries:  # the anchor may just have been a bad one
                 return
             what = f"first draft rejected {self.probe_tries} time(s)"
         else:
-            timed = self.costs.table is None and cycle_s > 0.0
-            rate = (accepted + 1) / cycle_s if timed else est.spec_rate
-            if max(rate, est.spec_rate) >= est.plain_rate:
+            # the probe cycle's own tokens per second would be biased (a cycle whose first draft
+            # passed beats a plain step even when speculation does not pay): the acceptance
+            # model, now holding the probe's evidence, decides
+            if est.spec_rate >= est.plain_rate:
                 self.mode, self.request_gap, self.request_probe, self.checks_due = "speculate", 1, False, 0
-                self._event("speculate", f"probe: {accepted} draft(s) accepted; speculative {max(rate, est.spec_rate):.1f} "
+                self._event("speculate", f"probe: {accepted} draft(s) accepted; speculative {est.spec_rate:.1f} "
                             f"tok/s >= plain {est.plain_rate:.1f} tok/s", est)
                 return
             if narrow:
                 self.probe_stage = "full"
                 return
-            what = f"speculative {max(rate, est.spec_rate):.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
-        self.interval = min(max(2 * self.interval, self.min_interval()), self.o.max_probe_interval)
-        self.mode, self.countdown = "fallback", self.interval
-        if self.request_probe:
-            self.request_gap, self.request_probe = min(2 * self.request_gap, self.o.request_probe_gap), False
-        self._event("fallback", f"probe: {what}; next probe in {self.interval} cycles", est)
+            what = f"speculative {est.spec_rate:.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
+        if self.request_probe and self.request_probes_left > 0:  # this request's own schedule, not the back-off
+            self.request_probes_left -= 1
+            self.mode, self.countdown = "fallback", self.o.probe_interval
+        else:
+            self.interval = min(max(2 * self.interval, self.min_interval()), self.o.max_probe_interval)
+            self.mode, self.countdown = "fallback", self.interval
+            if self.request_probe:
+                self.request_gap, self.request_probe = min(2 * self.request_gap, self.o.request_probe_gap), False
+        self._event("fallback", f"probe: {what}; next probe in {self.countdown} cycles", est)
 
     # -- estimates ---------------------------------------------------------------------------
     def estimate(self, k: int, context_length: int) -> Estimate:
@@ -287,9 +298,10 @@ class AdaptivePolicy:
         if self.mode == "fallback" and self.o.probe_each_request and self.requests_waited >= self.request_gap:
             # a new request may be easier (its first tokens are atypical, so not at once); with a
             # request_probe_gap, failed request-start probes make later requests probe less often
-            self.countdown = min(self.countdown, self.o.probe_interval)
+            self.countdown = min(self.countdown, self.o.request_probe_delay + 1)
             self.requests_waited = 0
             self.request_probe = True
+            self.request_probes_left = self.o.request_probes - 1
 
     def _plain(self, reason: str) -> bool:
         self.action = reason
