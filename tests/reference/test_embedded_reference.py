@@ -22,6 +22,7 @@ def test_reference_loads_the_shipped_dflash_draft_with_every_key(reference_venv)
 def test_reference_loop_matches_speculant_on_the_shipped_pair(reference_venv):
     config = embedded.engine_config("dflash", backend="torch")
     config["backend"].update({"dtype": "float32", "device": "cpu"})
+    config["verifier"] = {"kind": "greedy"}  # a full block every cycle, as the reference loop does
     engine = speculant.Engine.from_config(config)
     prompt = engine.tokenizer.encode("import os\n\n\ndef main(argv):\n", add_special_tokens=False)
     ref = harness.run_reference("torch", embedded.PAIR_DIR / "target", embedded.PAIR_DIR / "dflash", prompt, 48, 8)
