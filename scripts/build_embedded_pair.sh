@@ -5,7 +5,7 @@
 #
 # Every step is seeded and resumable: rerun the script after an interruption and finished steps
 # are skipped, unfinished training resumes from its last checkpoint. On a 2-core CPU the whole run
-# takes about two and a half hours. The corpus (file list, Python version) is recorded in MANIFEST.json; a
+# takes about three and a half hours. The corpus (file list, Python version) is recorded in MANIFEST.json; a
 # different Python version gives a different corpus and so different weights.
 set -euo pipefail
 
@@ -29,15 +29,22 @@ TARGET="$WORK/target/model"
 SEQ=(--sequences 2048 --prompt-len 64 --response-len 256 --sequences-file "$WORK/sequences.npy" --seed $SEED)
 
 # training.json is written last, when a model is done
-[ -f "$WORK/dflash/training.json" ] ||
-  speculant train dflash --target "$TARGET" --out "$WORK/dflash" "${SEQ[@]}" --block-size $BLOCK \
-    --layers 2 --features 3 --anchors 32 --batch 4 --steps 3000 --lr 1e-3 --checkpoint-every 250
+# DFlash: as the shipped draft was made, the 3000-step schedule, then resumed under a 12000-step
+# one (the learning rate rises again at step 3000 and decays to the end)
+step_of() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['step'])" "$1" 2>/dev/null || echo 0; }
+DFLASH=(--target "$TARGET" --out "$WORK/dflash" "${SEQ[@]}" --block-size $BLOCK --layers 2 --features 3 --anchors 32
+        --batch 4 --lr 1e-3)
+if ! grep -q '"steps": 12000' "$WORK/dflash/training.json" 2>/dev/null; then
+  [ "$(step_of "$WORK/dflash/checkpoint/state.json")" -ge 3000 ] ||
+    speculant train dflash "${DFLASH[@]}" --steps 3000 --checkpoint-every 250
+  speculant train dflash "${DFLASH[@]}" --steps 12000 --checkpoint-every 500
+fi
 
 # DFlash2 starts from the trained DFlash (identity convolutions, zero successor codebook: it
 # drafts exactly as DFlash does) and fine-tunes backbone, convolutions and selector together
 [ -f "$WORK/dflash2/training.json" ] ||
   speculant train dflash2 --target "$TARGET" --out "$WORK/dflash2" "${SEQ[@]}" --block-size $BLOCK \
-    --layers 2 --features 3 --anchors 32 --batch 4 --init-from "$WORK/dflash" --steps 600 --lr 3e-4 --checkpoint-every 100
+    --layers 2 --features 3 --anchors 32 --batch 4 --init-from "$WORK/dflash" --steps 1500 --lr 3e-4 --checkpoint-every 100
 
 # MTP: as the shipped head was made, 250 steps of a 1500-step schedule, then resumed to end at 600
 if [ ! -f "$WORK/mtp/training.json" ]; then
