@@ -23,8 +23,10 @@ FLAT = [1e-3 * (1.0 + 0.01 * w) for w in range(K + 1)]  # seconds for width w + 
 STAIRS = [1e-3 * (1 + w // 4) for w in range(K + 1)]  # widths 1-4: 1 ms, 5-8: 2 ms, 9-12: 3 ms, 13-16: 4 ms
 
 
-def drive(verifier, cycles, accept, costs, draft_s=0.3e-3, k=K, confidence=None, start=100, noise=0.0, seed=0):
-    """Run ``cycles`` cycles; ``accept(cycle, n, confidences)`` -> accepted count. Returns widths."""
+def drive(verifier, cycles, accept, costs, draft_s=0.3e-3, k=K, confidence=None, start=100, noise=0.0, seed=0,
+          totals=None):
+    """Run ``cycles`` cycles; ``accept(cycle, n, confidences)`` -> accepted count. Returns widths;
+    ``totals`` (a dict) gets the committed tokens and the seconds they cost added to it."""
     rng = np.random.default_rng(seed)
     widths = []
     for c in range(cycles):
@@ -40,6 +42,9 @@ def drive(verifier, cycles, accept, costs, draft_s=0.3e-3, k=K, confidence=None,
         timing = CycleTiming(ctx, n, drafted, costs[n] * jitter, draft_s if drafted else 0.0, 0.0)
         verifier.observe(Verification(accepted, [1] * (accepted + 1)), n, timing)
         widths.append(n)
+        if totals is not None:
+            totals["tokens"] = totals.get("tokens", 0) + accepted + 1
+            totals["seconds"] = totals.get("seconds", 0.0) + timing.target_s + timing.draft_s
     return widths
 
 
@@ -204,18 +209,10 @@ def test_a_lucky_first_draft_does_not_resume_speculation(seed):
     speculation back on; resuming on that single cycle's rate lost 2.5 % here, this loses about 1 %."""
     rng = np.random.default_rng(seed)
     v = AdaptiveVerifier()
-    tokens = seconds = 0.0
-    for c in range(3000):
-        ctx = 100 + c
-        n = v.plan(Draft(np.zeros(K, dtype=np.int64), K), K, ctx) if v.wants_draft(K, ctx) else None
-        draft_s = 0.0 if n is None else 0.6e-3
-        n = n or 0
-        accepted = int(n > 0 and rng.random() < 0.5)
-        v.observe(Verification(accepted, [1] * (accepted + 1)), n, CycleTiming(ctx, n, K if draft_s else 0, FLAT[n], draft_s, 0.0))
-        tokens += accepted + 1
-        seconds += FLAT[n] + draft_s
+    totals: dict = {}
+    drive(v, 3000, lambda c, n, conf: int(n > 0 and rng.random() < 0.5), FLAT, draft_s=0.6e-3, totals=totals)
     assert v.decisions()["actions"].count("probe") >= 40  # it kept probing, and about half the probes passed
-    assert tokens / seconds >= 0.985 / FLAT[0]
+    assert totals["tokens"] / totals["seconds"] >= 0.985 / FLAT[0]
 
 
 def test_a_request_probes_twice_on_its_own_schedule():

@@ -163,6 +163,9 @@ def test_chosen_target_layer_ids_reach_the_draft_config(trained_target, tmp_path
     args = build_parser().parse_args(["train", "dflash", "--target", str(trained_target), "--out", str(tmp_path),
                                       "--target-layer-ids", "0,1"])
     assert args.target_layer_ids == (0, 1)
+    from speculant.training.command import _feature_flags
+
+    assert _feature_flags(args) == {"num_features": 2, "target_layer_ids": (0, 1)}  # the ids set the count
     cfg = new_draft_config(trained_target, tmp_path / "d", DFlashShape(num_features=2, target_layer_ids=(0, 1)))
     assert cfg.target_layer_ids == [0, 1]
     layers = json.loads((trained_target / "config.json").read_text())["num_hidden_layers"]

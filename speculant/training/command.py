@@ -84,6 +84,12 @@ def _layer_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer ids such as 1,4,7") from None
 
 
+def _feature_flags(args) -> dict:
+    """``num_features`` and ``target_layer_ids`` of a DFlash-family shape (explicit ids set the count)."""
+    ids = args.target_layer_ids
+    return {"num_features": len(ids) if ids else args.features, "target_layer_ids": ids}
+
+
 def _sequence_flags(parser) -> None:
     parser.add_argument("--sequences", type=int, default=512, help="target-generated training sequences")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -150,8 +156,7 @@ def cmd_dflash(args) -> int:
     from speculant.training.dflash import DFlashShape, train_dflash
 
     sequences = target_sequences(args)
-    ids = args.target_layer_ids
-    shape = DFlashShape(args.layers, args.block_size, len(ids) if ids else args.features, args.anchors, ids)
+    shape = DFlashShape(args.layers, args.block_size, anchors_per_sequence=args.anchors, **_feature_flags(args))
     path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
     print(f"draft saved to {path}")
     return 0
@@ -161,9 +166,7 @@ def cmd_dflash2(args) -> int:
     from speculant.training.dflash2 import DFlash2Shape, train_dflash2
 
     sequences = target_sequences(args)
-    ids = args.target_layer_ids
-    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size,
-                         num_features=len(ids) if ids else args.features, target_layer_ids=ids,
+    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size, **_feature_flags(args),
                          anchors_per_sequence=args.anchors, conv_kernel_size=args.conv_kernel_size,
                          conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
                          selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)

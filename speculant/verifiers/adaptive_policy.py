@@ -234,14 +234,14 @@ class AdaptivePolicy:
         """Resume speculating when a probe's first draft passed and the acceptance model (now
         holding the probe's evidence) beats plain decoding. A narrow probe that passed but does
         not show that escalates to one full-width cycle; a rejected first draft is retried up to
-        ``probe_cycles`` times (once for a request probe, which has a second one scheduled). Any
-        other outcome waits for the request's next probe, or twice as long as last time (at
+        ``probe_cycles`` times (once for a request probe: a request has ``request_probes`` of them).
+        Any other outcome waits for the request's next probe, or twice as long as last time (at
         least the budget interval)."""
         est = self.estimate(self.k_block, self.context_length)
         narrow = self.probe_stage == "narrow" and submitted < self.k
         if accepted == 0:
             self.probe_tries += 1
-            tries = 1 if self.request_probe else self.o.probe_cycles  # a request probe gets a second chance later
+            tries = 1 if self.request_probe else self.o.probe_cycles  # a request spreads its tries over its own probes
             if narrow and self.probe_tries < tries:  # the anchor may just have been a bad one
                 return
             what = f"first draft rejected {self.probe_tries} time(s)"
