@@ -123,6 +123,35 @@ def test_dflash_training_learns_and_is_lossless(trained_target, tmp_path):
     assert lossless_acceptance(trained_target, "dflash", draft, sequences) > 1.5  # it learned the target's behaviour (an untrained draft gets ~1.0)
 
 
+def test_dflash_training_continues_from_a_trained_draft(trained_target, tmp_path):
+    """--init-from: a second run (e.g. on more data) starts where the first ended, not from scratch."""
+    from speculant.training import dflash as dflash_mod
+
+    target = dflash_mod.load_frozen_target(trained_target)
+    prompts = np.random.default_rng(1).integers(2, 300, size=(16, 8)).astype(np.int32)
+    sequences = dflash_mod.generate_sequences(target, prompts, 40)
+    shape = dflash_mod.DFlashShape(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=16)
+    settings = TrainSettings(steps=60, lr=1e-2, bf16=False, checkpoint_every=60, warmup_ratio=0.1)
+    histories = []
+    original = dflash_mod.train
+    dflash_mod.train = lambda *a, **k: histories.append(original(*a, **k)) or histories[-1]
+    try:
+        first = dflash_mod.train_dflash(trained_target, sequences, 8, tmp_path / "first", shape, settings, batch=2)
+        dflash_mod.train_dflash(trained_target, sequences, 8, tmp_path / "fresh", shape, settings, batch=2)
+        dflash_mod.train_dflash(trained_target, sequences, 8, tmp_path / "continued", shape, settings, batch=2,
+                                init_from=first)
+    finally:
+        dflash_mod.train = original
+    first_loss, fresh_loss, continued_loss = (np.mean(h[:3]) for h in histories)
+    assert fresh_loss == pytest.approx(first_loss)  # same seed, same data: the comparison is fair
+    assert continued_loss < 0.8 * fresh_loss
+    assert continued_loss < 1.2 * np.mean(histories[0][-5:])
+    assert json.loads((tmp_path / "continued" / "training.json").read_text())["init_from"] == "first"
+    with pytest.raises(ValueError, match="does not match this draft's shape"):
+        dflash_mod.train_dflash(trained_target, sequences, 8, tmp_path / "deeper",
+                                dflash_mod.DFlashShape(num_layers=2, block_size=4, num_features=2), settings, init_from=first)
+
+
 def test_two_process_data_parallel_training(tokenizer_dir, tmp_path):
     """Two data-parallel CPU processes (torch.distributed.run) run the same trainer."""
     script = tmp_path / "run.py"

@@ -192,7 +192,7 @@ def test_warm_start_from_dflash_drafts_exactly_as_that_dflash(trained_target, se
     assert sum(runs[0][1]) > len(runs[0][1])  # some drafts were accepted: the comparison is not vacuous
 
     deeper_cfg = mod.new_dflash2_config(trained_target, tmp_path / "deep", mod.DFlash2Shape(**{**SHAPE, "num_layers": 2}))
-    with pytest.raises(ValueError, match="does not match this DFlash2 backbone"):
+    with pytest.raises(ValueError, match="does not match this draft's shape"):
         mod.warm_start(mod.init_dflash2(deeper_cfg, 0), source, deeper_cfg.target_layer_ids)
     other = (0, 2)  # same width as the source's [1, 1], other layers: the weights fit but mean something else
     other_cfg = mod.new_dflash2_config(trained_target, tmp_path / "other", mod.DFlash2Shape(**{**SHAPE, "target_layer_ids": other}))

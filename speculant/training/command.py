@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     tgt.set_defaults(func=cmd_target)
 
     dfl = _drafter_parser(steps, "dflash", "train a DFlash drafter against a local target", block=True)
+    dfl.add_argument("--init-from", type=Path, metavar="DFLASH_DIR",
+                     help="continue from a trained DFlash draft of the same target and shape (e.g. on more data)")
     _loop_flags(dfl, steps=1000, lr=6e-4)
     dfl.set_defaults(func=cmd_dflash)
 
@@ -157,7 +159,8 @@ def cmd_dflash(args) -> int:
 
     sequences = target_sequences(args)
     shape = DFlashShape(args.layers, args.block_size, anchors_per_sequence=args.anchors, **_feature_flags(args))
-    path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch)
+    path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
+                        init_from=args.init_from)
     print(f"draft saved to {path}")
     return 0
 

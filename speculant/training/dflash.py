@@ -139,6 +139,27 @@ def init_draft(cfg: DFlashConfig, seed: int):
     return model
 
 
+def copy_draft(model, draft_dir: str | Path, target_layer_ids: list[int], own_only=lambda name: False) -> None:
+    """Start ``model`` from a trained DFlash draft of the same target: same target layer ids, and
+    every tensor present with its shape, except those ``own_only(name)`` keeps as initialised."""
+    from safetensors.torch import load_file
+
+    source_ids = json.loads((Path(draft_dir) / "config.json").read_text()).get("dflash_config", {}).get("target_layer_ids")
+    if source_ids != list(target_layer_ids):
+        raise ValueError(f"{draft_dir} reads target layers {source_ids}, this draft {list(target_layer_ids)}; "
+                         "pass the same --target-layer-ids")
+    source = load_file(str(Path(draft_dir) / "model.safetensors"))
+    own = model.state_dict()
+    problems = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape) if k in own else 'absent'}"
+                for k, v in source.items() if k not in own or own[k].shape != v.shape]
+    problems += [f"{k} absent from the DFlash draft" for k in own if k not in source and not own_only(k)]
+    if problems:
+        raise ValueError(f"{draft_dir} does not match this draft's shape: " + "; ".join(problems[:5]))
+    with torch.no_grad():
+        for k, v in source.items():
+            own[k].copy_(v.to(own[k].dtype))
+
+
 def mask_token_id(target_dir: Path, drafter: str = "DFlash") -> int:
     """The id of the target tokenizer's ``<|mask|>`` token (the block's placeholder)."""
     tok = json.loads((target_dir / "tokenizer.json").read_text())
@@ -169,14 +190,19 @@ def train_dflash(
     shape: DFlashShape = DFlashShape(),
     settings: TrainSettings = TrainSettings(lr=6e-4),
     batch: int = 4,
+    init_from: str | Path | None = None,
 ) -> Path:
-    """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft."""
+    """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft.
+    ``init_from``: a trained DFlash draft folder (same target and shape) to continue from, e.g.
+    on new data; its optimiser state is not carried over."""
     from safetensors.torch import save_file
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target = load_frozen_target(target_dir)
     cfg = new_draft_config(target_dir, out_dir, shape)
     model = init_draft(cfg, settings.seed)
+    if init_from is not None:
+        copy_draft(model, init_from, cfg.target_layer_ids)
     capture = Capture(tuple(cfg.target_layer_ids))
     S, B = sequences.shape[1], cfg.block_size
     low, high = max(0, prompt_len - 1), S - B  # anchors in the response (or its last prompt token)
@@ -202,5 +228,7 @@ def train_dflash(
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
                                                         "batch": batch, "sequences": int(len(sequences)),
-                                                        "sequence_length": int(S), "prompt_len": prompt_len}, indent=1))
+                                                        "sequence_length": int(S), "prompt_len": prompt_len,
+                                                        "init_from": None if init_from is None else Path(init_from).name},
+                                                       indent=1))
     return out_dir

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import anchor_batch, draft_forward, mask_token_id, shape_layer_ids, weighted_block_ce
+from speculant.training.dflash import anchor_batch, copy_draft, draft_forward, mask_token_id, shape_layer_ids, weighted_block_ce
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -159,23 +159,8 @@ def warm_start(model, dflash_dir: str | Path, target_layer_ids: list[int]) -> No
     The convolutions start as identity and the successor codebook at zero, so the result drafts
     exactly as that DFlash draft does; training then only has to add what DFlash2 adds.
     """
-    from safetensors.torch import load_file
-
-    source_ids = json.loads((Path(dflash_dir) / "config.json").read_text()).get("dflash_config", {}).get("target_layer_ids")
-    if source_ids != list(target_layer_ids):
-        raise ValueError(f"{dflash_dir} reads target layers {source_ids}, this DFlash2 draft {list(target_layer_ids)}; "
-                         "pass the same --target-layer-ids")
-    source = load_file(str(Path(dflash_dir) / "model.safetensors"))
-    own = model.state_dict()
-    problems = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape) if k in own else 'absent'}"
-                for k, v in source.items() if k not in own or own[k].shape != v.shape]
-    problems += [f"{k} absent from the DFlash draft" for k in own
-                 if k not in source and not k.startswith("candidate_selector.") and "_conv." not in k]
-    if problems:
-        raise ValueError(f"{dflash_dir} does not match this DFlash2 backbone: " + "; ".join(problems[:5]))
-    with torch.no_grad():
-        for k, v in source.items():
-            own[k].copy_(v)
+    copy_draft(model, dflash_dir, target_layer_ids,
+               own_only=lambda k: k.startswith("candidate_selector.") or "_conv." in k)
 
 
 def train_dflash2(
