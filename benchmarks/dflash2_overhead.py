@@ -59,6 +59,8 @@ def main() -> None:
             "target": {"path": str(paths["target"])},
             "drafter": {"kind": kind, "path": str(paths[kind])},
         }) for kind in ("dflash", "dflash2")}
+        for eng in engines.values():
+            eng.time_phases = True  # draft_s measured after a backend sync
         prompt = list(range(10, 74))
         for eng in engines.values():
             eng.run(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)  # warm-up

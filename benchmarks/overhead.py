@@ -46,6 +46,7 @@ def main() -> None:
             "target": {"path": str(target)},
             "drafter": {"kind": "dflash", "path": str(draft), "block_size": args.block_size},
         })
+        engine.time_phases = True  # target_s / draft_s measured after a backend sync
         params = sum(p.numel() for p in engine.target.model.parameters())
         prompt = list(range(10, 74))
         engine.run(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)  # warm-up

@@ -130,3 +130,40 @@ def test_plain_decoding_goes_through_the_same_loop(plain):
     result = plain.run(prompt_ids=[5, 6, 7], max_new_tokens=12, ignore_eos=True)
     assert result.stats.acceptance_lengths == [1] * 11
     assert result.stats.mean_acceptance_length == 1.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_untimed_cycles_never_wait_for_the_backend(planted_pair, backend):
+    """Without a timing verifier the loop leaves the backend free to overlap the draft with the
+    target's graph building (no sync per call); ``time_phases`` and ``adaptive`` sync and time."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+
+    def make(verifier):
+        engine = speculant.Engine.from_config({
+            "backend": {"kind": backend, "device": "cpu", "dtype": "float32"},
+            "target": {"path": str(planted_pair["target"])},
+            "drafter": {"kind": "dflash", "path": str(planted_pair["draft"]), "block_size": 8},
+            "verifier": {"kind": verifier}})
+        calls = []
+        original = engine.backend.synchronize
+        engine.backend.synchronize = lambda: calls.append(1) or original()
+        return engine, calls
+
+    prompt = list(range(10, 40))
+    untimed, untimed_calls = make("greedy")
+    plain_ids = untimed.without_drafter().run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    result = untimed.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True)
+    assert result.token_ids == plain_ids and result.stats.verify_steps > 1
+    assert untimed_calls == [] and not result.stats.phases_timed
+    assert result.stats.target_s == 0.0 and result.stats.overhead_s is None
+
+    untimed.time_phases = True
+    timed = untimed.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True)
+    assert timed.token_ids == plain_ids and timed.stats.phases_timed
+    assert len(untimed_calls) >= 2 * timed.stats.verify_steps  # after every draft and every target call
+    assert 0 < timed.stats.target_s < timed.stats.decode_s + timed.stats.prefill_s and timed.stats.draft_s > 0
+
+    adaptive, adaptive_calls = make("adaptive")
+    assert adaptive.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).stats.phases_timed
+    assert adaptive_calls

@@ -46,6 +46,10 @@ class Engine:
         self.last_stats: GenerationStats | None = None
         self.last_token_ids: list[int] = []
         self.registry: Any = None
+        # Time target and draft calls exactly (stats.target_s / draft_s): a backend sync after
+        # each, so the drafter's work and the target's graph building no longer overlap. Off by
+        # default; verifiers whose policy needs the seconds (``needs_timings``) force it on.
+        self.time_phases = False
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -207,6 +211,8 @@ class _Loop:
         self._finished = False
         limit = engine.verifier.max_context  # from this context on the request decodes plainly
         self.limit = limit
+        self.timed = engine.time_phases or engine.verifier.needs_timings
+        self.stats.phases_timed = self.timed
         self.speculating = engine.drafter is not None and (limit is None or len(prompt_ids) < limit)
         window = engine.target.info.max_position_embeddings
         self.window = window
@@ -302,22 +308,25 @@ class _Loop:
         return new
 
     def _timed_target(self, fn):
-        """``(fn(), seconds)``; decode-time seconds also go to ``stats.target_s``."""
-        t = time.perf_counter()
-        result = fn()
-        self.e.backend.synchronize()
-        elapsed = time.perf_counter() - t
-        self.stats.target_s += elapsed if self._t_first is not None else 0.0
+        """``(fn(), seconds)``; decode-time seconds also go to ``stats.target_s`` when timed."""
+        result, elapsed = self._timed(fn)
+        if self.timed and self._t_first is not None:
+            self.stats.target_s += elapsed
         return result, elapsed
 
     def _timed_draft(self, fn):
-        t = time.perf_counter()
-        result = fn()
-        self.e.backend.synchronize()
-        elapsed = time.perf_counter() - t
-        if self._t_first is not None:
+        result, elapsed = self._timed(fn)
+        if self.timed and self._t_first is not None:
             self.stats.draft_s += elapsed
         return result, elapsed
+
+    def _timed(self, fn):
+        """Untimed, the seconds only cover scheduling: lazy backends keep computing after it."""
+        t = time.perf_counter()
+        result = fn()
+        if self.timed:
+            self.e.backend.synchronize()
+        return result, time.perf_counter() - t
 
     def finish(self) -> None:
         if self._finished:

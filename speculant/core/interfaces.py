@@ -157,6 +157,9 @@ class Verifier(ABC):
     # Context length from which a request decodes plainly: the engine stops drafting,
     # capturing hidden states and committing to the drafter (None = no limit).
     max_context: int | None = None
+    # Whether observe() needs each cycle's parts timed exactly: the engine then waits for the
+    # backend after every draft and target call, which stops it overlapping them (MLX, CUDA).
+    needs_timings: ClassVar[bool] = False
 
     def __init__(self, options: dict | None = None) -> None:
         self.options = options or {}

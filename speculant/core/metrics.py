@@ -35,9 +35,11 @@ class GenerationStats:
     stop_reason: str = "unknown"  # eos | stop_token | stop_string | max_new_tokens | context_length | interrupted | error
     submitted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    # Time inside target forwards and drafter calls, for the overhead benchmark.
+    # Time inside target forwards and drafter calls, for the overhead benchmark; measured only
+    # when ``phases_timed`` (Engine.time_phases, or a verifier that needs timings), else 0.
     target_s: float = 0.0
     draft_s: float = 0.0
+    phases_timed: bool = False
     verifier: dict = field(default_factory=dict)
 
     @property
@@ -71,8 +73,10 @@ class GenerationStats:
                 self.accepted_per_position[j] += 1
 
     @property
-    def overhead_s(self) -> float:
-        """Decode time spent outside target and draft forwards."""
+    def overhead_s(self) -> float | None:
+        """Decode time spent outside target and draft forwards (None when they were not timed)."""
+        if not self.phases_timed:
+            return None
         return max(0.0, self.decode_s - self.target_s - self.draft_s)
 
     def as_dict(self) -> dict:

@@ -35,6 +35,7 @@ class AdaptiveVerifier(Verifier):
     name = "adaptive"
     accepts = (ProposalKind.ONE_HOT, ProposalKind.DENSE, ProposalKind.SPARSE)
     supports_sampling = True
+    needs_timings = True  # its cost model learns from the measured seconds
     options_model = AdaptiveOptions
 
     def __init__(self, options: dict | None = None) -> None:
