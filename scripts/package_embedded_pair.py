@@ -1,6 +1,11 @@
 """Copy a finished ``build_embedded_pair.sh`` work folder into the package, weights in bfloat16.
 
-    python scripts/package_embedded_pair.py WORK_DIR speculant/embedded/pair
+    python scripts/package_embedded_pair.py WORK_DIR speculant/embedded/pair [KIND=FOLDER ...]
+    python scripts/package_embedded_pair.py --bf16 MODEL_DIR OUT_DIR
+
+``KIND=FOLDER`` (e.g. ``dflash=dflash-v2``) packages ``WORK_DIR/FOLDER`` as the shipped ``KIND``
+drafter (default: the folder named after the kind). ``--bf16`` copies one model folder with its
+weights rounded to bfloat16, exactly as they are shipped (later training stages start from these).
 
 Writes MANIFEST.json: the corpus (Python version, file counts, token counts; the file lists go
 to corpus.json), each model's training settings and tokens seen, and every file's size and sha256.
@@ -54,15 +59,28 @@ def held_out_tokens(tokenizer_dir: Path) -> int:
     return sum(len(ids) for ids in tokenizer(corpus_texts(held_out=True), add_special_tokens=False)["input_ids"])
 
 
-def main(work: Path, out: Path) -> None:
+def training_data(work: Path, folders: dict[str, str]) -> dict:
+    """The target-generated sequences each shipped drafter was (last) trained on."""
+    data = {}
+    for kind, folder in folders.items():
+        info = json.loads((work / folder / "training.json").read_text())
+        name = info.get("sequences_file", "sequences.npy")
+        sequences = np.load(work / name, mmap_mode="r")
+        entry = data.setdefault(name, {"sequences": int(sequences.shape[0]), "sequence_length": int(sequences.shape[1]),
+                                       "tokens": int(sequences.size), "drafters": [],
+                                       "made_by": info.get("sequences_made_by", "corpus prompts continued greedily by the target")})
+        entry["drafters"].append(kind)
+    return data
+
+
+def main(work: Path, out: Path, folders: dict[str, str]) -> None:
     if out.exists():
         shutil.rmtree(out)
     copy_model(work / "target" / "model", out / "target", TARGET_FILES)
-    for kind in ("dflash", "dflash2", "mtp"):
-        copy_model(work / kind, out / kind, DRAFTER_FILES)
+    for kind, folder in folders.items():
+        copy_model(work / folder, out / kind, DRAFTER_FILES)
     corpus = json.loads((work / "tokenizer" / "corpus.json").read_text())
     shutil.copy2(work / "tokenizer" / "corpus.json", out / "corpus.json")
-    sequences = np.load(work / "sequences.npy")
     files = {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)}
              for p in sorted(out.rglob("*")) if p.is_file()}
     total = sum(f["bytes"] for f in files.values())
@@ -79,10 +97,7 @@ def main(work: Path, out: Path) -> None:
             "held_out_tokens": held_out_tokens(work / "tokenizer"),
             "file_lists": "corpus.json",
         },
-        "drafter_training_data": {
-            "sequences": int(sequences.shape[0]), "sequence_length": int(sequences.shape[1]),
-            "tokens": int(sequences.size), "made_by": "corpus prompts continued greedily by the target",
-        },
+        "drafter_training_data": training_data(work, folders),
         "training": {name: json.loads((out / name / "training.json").read_text())
                      for name in ("target", "dflash", "dflash2", "mtp")},
         "weights_dtype": "bfloat16",
@@ -94,4 +109,10 @@ def main(work: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[1] == "--bf16":
+        src, dst = Path(sys.argv[2]), Path(sys.argv[3])
+        copy_model(src, dst, TARGET_FILES + DRAFTER_FILES)
+    else:
+        folders = {"dflash": "dflash", "dflash2": "dflash2", "mtp": "mtp"}
+        folders.update(arg.split("=", 1) for arg in sys.argv[3:])
+        main(Path(sys.argv[1]), Path(sys.argv[2]), folders)

@@ -153,6 +153,8 @@ def test_cli_dflash2(trained_target, tmp_path):
             "--selector-top-k", "4", "--anchors", "4", "--steps", "3", "--batch", "2", "--fp32", "--checkpoint-every", "3"]
     assert main(argv) == 0
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    info = json.loads((out / "training.json").read_text())  # which data the packaged manifest reports
+    assert info["sequences_file"] == "sequences.npy" and info["sequences_made_by"].startswith("4 windows of 8 corpus tokens")
     engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "dflash2", "path": str(out)}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6

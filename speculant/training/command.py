@@ -161,6 +161,7 @@ def cmd_dflash(args) -> int:
     shape = DFlashShape(args.layers, args.block_size, anchors_per_sequence=args.anchors, **_feature_flags(args))
     path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
                         init_from=args.init_from)
+    record_sequences(path, args)
     print(f"draft saved to {path}")
     return 0
 
@@ -175,8 +176,25 @@ def cmd_dflash2(args) -> int:
                          selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)
     path = train_dflash2(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
                          init_from=args.init_from)
+    record_sequences(path, args)
     print(f"DFlash2 draft saved to {path}")
     return 0
+
+
+def sequences_file(args) -> Path:
+    return args.sequences_file or args.out / "sequences.npy"
+
+
+def record_sequences(draft_dir: Path, args) -> None:
+    """Say in the draft's training.json which sequence file it learned from, and how that was made."""
+    info_file = Path(draft_dir) / "training.json"
+    if not info_file.exists():  # not the main process
+        return
+    info = json.loads(info_file.read_text())
+    info["sequences_file"] = sequences_file(args).name
+    info["sequences_made_by"] = (f"{args.sequences} windows of {args.prompt_len} corpus tokens (seed {args.seed}) "
+                                 f"continued greedily for {args.response_len} tokens by the target {Path(args.target).name}")
+    info_file.write_text(json.dumps(info, indent=1))
 
 
 def target_sequences(args) -> np.ndarray:
@@ -186,7 +204,7 @@ def target_sequences(args) -> np.ndarray:
     from speculant.training.features import load_frozen_target
 
     args.out.mkdir(parents=True, exist_ok=True)
-    seq_file = args.sequences_file or args.out / "sequences.npy"
+    seq_file = sequences_file(args)
     shape = (args.sequences, args.prompt_len + args.response_len)
     if seq_file.exists():
         sequences = np.load(seq_file)
@@ -206,6 +224,7 @@ def cmd_mtp(args) -> int:
 
     sequences = target_sequences(args)
     path = train_mtp(args.target, sequences, args.prompt_len, args.out, MTPShape(), _settings(args), args.batch)
+    record_sequences(path, args)
     print(f"MTP head saved to {path} (drafter = {{kind = \"mtp\", path = \"{path}\"}})")
     return 0
 
