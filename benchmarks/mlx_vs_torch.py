@@ -2,13 +2,14 @@
 ~50M-parameter random Qwen3 target (planted so that drafts are accepted), measured side by side.
 
     python benchmarks/mlx_vs_torch.py [--repeats 3] [--max-new-tokens 64] [--block-sizes 4,8]
-                                      [--dtype float32] [--threads 1] [--reference]
+                                      [--dtype float32] [--threads 1] [--reference] [--synced]
 
 Every repeat runs all configurations back to back in the same order, so drift on a shared
 machine hits them alike; medians are reported. ``--reference`` also runs the official
 ``dflash.model_mlx`` loop and its own baseline (stock ``mlx_lm`` decoding) on the same weights
 (needs the reference venv, see tests/reference/harness.py) and prints its speculative/plain
-ratio next to speculant's. Decode tok/s = (new tokens - 1) / time after the first token.
+ratio next to speculant's. ``--synced`` adds speculative rows that wait for MLX after every draft
+and target call (``Engine.time_phases``, as the loop did before it overlapped them). Decode tok/s = (new tokens - 1) / time after the first token.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (MLX's CPU build uses one core)")
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--reference", action="store_true", help="also time the reference dflash.model_mlx loop")
+    parser.add_argument("--synced", action="store_true", help="also time speculative runs that sync after every call")
     args = parser.parse_args()
     blocks = [int(b) for b in args.block_sizes.split(",")]
 
@@ -76,6 +78,8 @@ def main() -> None:
         spec = engine("mlx", args.dtype, target, draft)
         params = sum(p.numel() for p in runs["torch plain"].target.model.parameters())
         names = list(runs) + [f"mlx dflash b{b}" for b in blocks]
+        if args.synced:
+            names += [f"mlx dflash b{b} synced" for b in blocks]
         rates: dict[str, list[float]] = {name: [] for name in names}
         taus: dict[str, list[float]] = {name: [] for name in names}
         outputs: dict[str, list[int]] = {}
@@ -86,7 +90,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 if name.startswith("mlx dflash"):
-                    result = spec.run(block_size=int(name.rsplit("b", 1)[1]), **kw)
+                    spec.time_phases = name.endswith("synced")
+                    result = spec.run(block_size=int(name.split()[2][1:]), **kw)
                 else:
                     result = runs[name].run(**kw)
                 rates[name].append(result.stats.decode_tokens_per_s)
@@ -106,6 +111,8 @@ def main() -> None:
     print(f"  MLX plain / torch plain: {ratio('mlx plain', 'torch plain'):.2f}")
     for b in blocks:
         print(f"  MLX dflash b{b} / MLX plain: {ratio(f'mlx dflash b{b}', 'mlx plain'):.2f}")
+        if args.synced:
+            print(f"  MLX dflash b{b} / the same synced after every call: {ratio(f'mlx dflash b{b}', f'mlx dflash b{b} synced'):.3f}")
     same = all(tokens == outputs["torch plain"] for tokens in outputs.values())
     print(f"identical tokens across all runs: {same}")
     if refs:
