@@ -60,15 +60,14 @@ def held_out_tokens(tokenizer_dir: Path) -> int:
 
 
 def training_data(work: Path, folders: dict[str, str]) -> dict:
-    """The target-generated sequences each shipped drafter was (last) trained on."""
+    """The target-generated sequences each shipped drafter was (last) trained on, from its training.json."""
     data = {}
     for kind, folder in folders.items():
         info = json.loads((work / folder / "training.json").read_text())
-        name = info.get("sequences_file", "sequences.npy")
-        sequences = np.load(work / name, mmap_mode="r")
-        entry = data.setdefault(name, {"sequences": int(sequences.shape[0]), "sequence_length": int(sequences.shape[1]),
-                                       "tokens": int(sequences.size), "drafters": [],
-                                       "made_by": info.get("sequences_made_by", "corpus prompts continued greedily by the target")})
+        entry = data.setdefault(info.get("sequences_file", "sequences.npy"), {
+            "sequences": info["sequences"], "sequence_length": info["sequence_length"],
+            "tokens": info["sequences"] * info["sequence_length"], "drafters": [],
+            "made_by": info.get("sequences_made_by", "corpus prompts continued greedily by the target")})
         entry["drafters"].append(kind)
     return data
 
