@@ -66,7 +66,7 @@ SHAPE=(--block-size $BLOCK --layers 2 --features 3 --anchors 32 --batch 4)
 # exactly as DFlash does) and fine-tunes backbone, convolutions and selector together
 [ -f "$WORK/dflash2-v2/training.json" ] ||
   speculant train dflash2 --target "$WORK/target-bf16" --out "$WORK/dflash2-v2" "${SEQ2[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash-v2" --steps 600 --lr 3e-4 --checkpoint-every 100 --fp32
+    --init-from "$WORK/dflash-v2" --steps 1500 --lr 3e-4 --checkpoint-every 100 --fp32
 
 # 5. copy into the package (weights in bfloat16), with checksums, token counts and this recipe
 python scripts/package_embedded_pair.py "$WORK" speculant/embedded/pair dflash=dflash-v2 dflash2=dflash2-v2
