@@ -233,11 +233,11 @@ class _Loop:
         e.target.reset()
         e.verifier.begin(len(self.prompt_ids))
         try:
-            out, _ = self._timed_target(lambda: e.target.prefill(self.prompt_ids, self.capture))
+            out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids, self.capture), "target_s")
             first = self._verify(None, out.logits[-1:]).token_ids
             self._t_first = time.perf_counter()
             if self.speculating:
-                self._timed_draft(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]))
+                self._timed(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]), "draft_s")
             new = self._emit(first)
             yield new
             position = len(self.prompt_ids)
@@ -268,7 +268,7 @@ class _Loop:
         draft_s = commit_s = 0.0
         if self.speculating and k > 0 and e.verifier.wants_draft(k, position):
             request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
-            draft, draft_s = self._timed_draft(lambda: e.drafter.propose(request))
+            draft, draft_s = self._timed(lambda: e.drafter.propose(request), "draft_s")
         drafted = 0 if draft is None else draft.num_tokens
         n = e.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
@@ -276,12 +276,12 @@ class _Loop:
         anchor_arr = e.backend.int_array([anchor])
         block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
         capture = self.capture
-        out, target_s = self._timed_target(lambda: e.target.forward(block, capture))
+        out, target_s = self._timed(lambda: e.target.forward(block, capture), "target_s")
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
         e.target.crop(position + accepted + 1)
         if self.speculating:
-            _, commit_s = self._timed_draft(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids))
+            _, commit_s = self._timed(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
         e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s))
         new = self._emit(verification.token_ids)
         self.stats.record_cycle(n, accepted, len(new))
@@ -307,26 +307,17 @@ class _Loop:
                 break
         return new
 
-    def _timed_target(self, fn):
-        """``(fn(), seconds)``; decode-time seconds also go to ``stats.target_s`` when timed."""
-        result, elapsed = self._timed(fn)
-        if self.timed and self._t_first is not None:
-            self.stats.target_s += elapsed
-        return result, elapsed
-
-    def _timed_draft(self, fn):
-        result, elapsed = self._timed(fn)
-        if self.timed and self._t_first is not None:
-            self.stats.draft_s += elapsed
-        return result, elapsed
-
-    def _timed(self, fn):
-        """Untimed, the seconds only cover scheduling: lazy backends keep computing after it."""
+    def _timed(self, fn, total: str):
+        """``(fn(), seconds)``; decode-time seconds also go to ``stats.<total>`` when timed.
+        Untimed, the seconds only cover scheduling: lazy backends keep computing after it."""
         t = time.perf_counter()
         result = fn()
         if self.timed:
             self.e.backend.synchronize()
-        return result, time.perf_counter() - t
+        elapsed = time.perf_counter() - t
+        if self.timed and self._t_first is not None:
+            setattr(self.stats, total, getattr(self.stats, total) + elapsed)
+        return result, elapsed
 
     def finish(self) -> None:
         if self._finished:

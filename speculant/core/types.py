@@ -84,9 +84,10 @@ class CycleTiming:
     ``context_length``: positions in the target cache before the cycle's forward.
     ``submitted``: drafted tokens in the target forward (its width is ``submitted + 1``).
     ``drafted``: tokens the drafter proposed (0 when the cycle did not draft).
-    Seconds are measured after the backend synchronises: ``target_s`` for the target
-    forward, ``draft_s`` for ``Drafter.propose`` (0 when not called), ``commit_s`` for
-    ``Drafter.commit`` (0 without a drafter).
+    ``target_s`` for the target forward, ``draft_s`` for ``Drafter.propose`` (0 when not
+    called), ``commit_s`` for ``Drafter.commit`` (0 without a drafter). They are measured after
+    a backend sync only for verifiers with ``needs_timings`` (or ``Engine.time_phases``);
+    otherwise they cover only the scheduling of lazy work.
     """
 
     context_length: int
