@@ -8,7 +8,10 @@ Every repeat runs all configurations back to back in the same order, so drift on
 machine hits them alike; medians are reported. ``--reference`` also runs the official
 ``dflash.model_mlx`` loop and its own baseline (stock ``mlx_lm`` decoding) on the same weights
 (needs the reference venv, see tests/reference/harness.py) and prints its speculative/plain
-ratio next to speculant's. ``--synced`` adds speculative rows that wait for MLX after every draft
+ratio next to speculant's. The reference runs in this process by default (its ``dflash`` package
+imported from the reference venv onto this interpreter's identical mlx and mlx-lm), so both loops
+run in one process state; ``--reference-subprocess`` runs it in the venv's own interpreter, whose
+process state differs (measured: the same loop ran about 20 % faster there). ``--synced`` adds speculative rows that wait for MLX after every draft
 and target call (``Engine.time_phases``, as the loop did before it overlapped them). Decode tok/s = (new tokens - 1) / time after the first token.
 """
 
@@ -42,13 +45,14 @@ def engine(kind: str, dtype: str, target: Path, draft: Path | None = None):
 
 
 def reference_rates(target: Path, draft: Path, prompt: list[int], args, block: int) -> tuple[float, float, float]:
-    """One run each of the reference's plain and speculative loops: (plain tok/s, speculative
-    tok/s, mean acceptance length)."""
+    """One run each of the reference's plain and speculative loops, timed as shipped (no
+    recording wrapper): (plain tok/s, speculative tok/s, mean acceptance length)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from reference.harness import run_reference
+    from reference.harness import run_reference, run_reference_in_process
 
-    base = run_reference("mlx", target, draft, prompt, args.max_new_tokens, block, baseline=True)
-    spec = run_reference("mlx", target, draft, prompt, args.max_new_tokens, block)
+    run = run_reference if args.reference_subprocess else run_reference_in_process
+    base = run("mlx", target, draft, prompt, args.max_new_tokens, block, baseline=True, timing=True)
+    spec = run("mlx", target, draft, prompt, args.max_new_tokens, block, timing=True)
     rate = lambda out: (len(out["tokens"]) - 1) / out["decode_s"]  # noqa: E731
     return rate(base), rate(spec), statistics.mean(spec["acceptance_lengths"])
 
@@ -64,6 +68,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (MLX's CPU build uses one core)")
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--reference", action="store_true", help="also time the reference dflash.model_mlx loop")
+    parser.add_argument("--reference-subprocess", action="store_true",
+                        help="with --reference: run it in the reference venv's own interpreter instead of this one")
     parser.add_argument("--synced", action="store_true", help="also time speculative runs that sync after every call")
     args = parser.parse_args()
     blocks = [int(b) for b in args.block_sizes.split(",")]

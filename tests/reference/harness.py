@@ -101,6 +101,7 @@ def reference_argv(
     stop_token_ids: Sequence[int] = (),
     capture_logits: bool = False,
     mlx_temporal_rotating_cache: bool = False,
+    timing: bool = False,
 ) -> list[str]:
     """The runner's argument list for one run (same parameters as ``run_reference``)."""
     if backend not in ("torch", "mlx"):
@@ -125,6 +126,8 @@ def reference_argv(
         argv.append("--capture-logits")
     if mlx_temporal_rotating_cache:
         argv.append("--mlx-temporal-rotating-cache")
+    if timing:
+        argv.append("--timing")
     return argv
 
 
@@ -145,7 +148,9 @@ def run_reference(
     Options (keyword-only): ``baseline`` (torch: ``dflash_generate`` at block 1; MLX: stock
     ``mlx_lm`` ``generate_step``), ``top_p``, ``top_k``, ``seed``, ``stop_token_ids`` (default
     none: runs to ``max_new_tokens``), ``capture_logits``, ``mlx_temporal_rotating_cache``
-    (an opt-in correction of an MLX reference quirk; not reference behaviour).
+    (an opt-in correction of an MLX reference quirk; not reference behaviour), ``timing``
+    (MLX: no recording wrapper around the target, so the loop runs as shipped; ``proposals``
+    is None).
 
     Keys: ``tokens`` (new tokens only), ``acceptance_lengths`` (per cycle, accepted + 1),
     ``proposals`` (per cycle, drafted tokens before verification; ``[]`` per cycle for the
@@ -157,6 +162,58 @@ def run_reference(
                           block_size, temperature, **options)
     python = ensure_reference_venv()
     return _run_json([str(python), str(RUNNER), *argv], timeout_s)
+
+
+def run_reference_in_process(backend: str, *args: Any, **options: Any) -> dict[str, Any]:
+    """``run_reference`` in this interpreter, for timing next to speculant in one process state.
+
+    MLX only: the reference venv's ``dflash`` package is imported from its folder (nothing else
+    from that venv), on this interpreter's mlx and mlx-lm, which must be the versions the
+    reference venv holds. Runs with ``timing`` on, so ``proposals`` is None."""
+    if backend != "mlx":
+        raise ValueError("only the MLX reference runs in process (the torch one needs transformers 5.15)")
+    runner = _reference_runner_module()
+    argv = reference_argv(backend, *args, **{**options, "timing": True})
+    return runner.run_one(runner.parse_args(argv))
+
+
+def _reference_runner_module():
+    import importlib.util
+
+    if "dflash" not in sys.modules:
+        _import_reference_package()
+    spec = importlib.util.spec_from_file_location("_speculant_run_reference", RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import_reference_package() -> None:
+    import importlib.metadata as metadata
+    import importlib.util
+
+    problem = reference_venv_problem()
+    if problem:
+        raise ReferenceUnavailable(problem)
+    sites = sorted((reference_venv_dir() / "lib").glob("python*/site-packages"))
+    if not sites or not (sites[0] / "dflash" / "__init__.py").is_file():
+        raise ReferenceUnavailable(f"no dflash package under {reference_venv_dir() / 'lib'}")
+    site = sites[0]
+    for dist in ("mlx", "mlx_lm"):
+        theirs = sorted(p.name[len(dist) + 1 : -len(".dist-info")] for p in site.glob(f"{dist}-*.dist-info"))
+        try:
+            ours = metadata.version(dist.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            ours = None
+        if theirs != [ours]:
+            raise ReferenceUnavailable(f"the reference venv has {dist} {theirs}, this interpreter {ours}; "
+                                       "the in-process reference needs the same version")
+    package = site / "dflash"
+    spec = importlib.util.spec_from_file_location("dflash", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dflash"] = module
+    spec.loader.exec_module(module)
 
 
 def run_reference_batch(

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from .harness import run_reference, run_reference_batch
+from .harness import run_reference, run_reference_batch, run_reference_in_process
 from .make_tiny_checkpoints import PLANTED_TOKEN, build_dflash2
 
 pytestmark = pytest.mark.reference
@@ -122,6 +122,20 @@ def test_planted_pair_is_accepted(reference, backend, draft):
     # Not degenerate: the target also emits other tokens, so rejections happen.
     assert any(t != PLANTED_TOKEN for t in spec["tokens"])
     assert any(length < BLOCK for length in spec["acceptance_lengths"][:-1])
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_in_process_timing_run_matches_the_reference_venv(reference, ref_checkpoints, draft):
+    """The benchmarks' in-process reference (its package on this interpreter's mlx, no
+    recording wrapper) generates exactly what the reference venv's own interpreter does."""
+    ckpt = ref_checkpoints["planted"]
+    venv = reference("mlx", "planted", draft, BLOCK)
+    for options in ({}, {"baseline": True}):
+        here = run_reference_in_process("mlx", ckpt["target"], ckpt[draft], PROMPT, MAX_NEW, BLOCK, **options)
+        expected = reference("mlx", "planted", "dflash", 1, baseline=True) if options else venv
+        assert here["proposals"] is None and here["decode_s"] > 0
+        assert here["tokens"] == expected["tokens"]
+        assert here["acceptance_lengths"] == expected["acceptance_lengths"]
 
 
 @pytest.mark.parametrize("pair", ("random", "planted"))
