@@ -1,9 +1,10 @@
 """The shipped model pair on held-out Python files: mean acceptance length of DFlash, DFlash2
 and MTP (K = 2), and each drafter's decode speed-up over plain decoding of the same target,
-measured side by side (greedy, block 8).
+measured side by side (greedy, block 8 unless --block-size says otherwise).
 
-    python benchmarks/embedded_pair.py [--backend torch|mlx] [--dtype bfloat16] [--prompts 8]
+    python benchmarks/embedded_pair.py [--backend torch|mlx] [--dtype bfloat16[,float32]] [--prompts 8]
                                        [--max-new-tokens 128] [--threads 2] [--verifiers auto,adaptive]
+                                       [--block-size 8]
 
 Prompts are 64-token windows of the held-out standard-library files (never trained on). For
 each prompt every engine runs back to back (plain first), so machine drift hits them alike;
@@ -21,7 +22,7 @@ import json
 import statistics
 
 
-def engines(backend: str, dtype: str, verifiers: list[str]) -> dict[str, object]:
+def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8) -> dict[str, object]:
     import speculant
     from speculant import embedded
 
@@ -36,8 +37,9 @@ def engines(backend: str, dtype: str, verifiers: list[str]) -> dict[str, object]
     out = {"plain": make(None)}
     for verifier in verifiers:
         suffix = "" if verifier == "auto" else f"+{verifier}"
-        out[f"dflash{suffix}"] = make("dflash", verifier)
-        out[f"dflash2{suffix}"] = make("dflash2", verifier)
+        # the block is set, not left to the drafter's default (DFlash2's is 5 on MLX)
+        out[f"dflash{suffix}"] = make("dflash", verifier, block_size)
+        out[f"dflash2{suffix}"] = make("dflash2", verifier, block_size)
         out[f"mtp(K=2){suffix}"] = make("mtp", verifier, block=3)
     return out
 
@@ -52,10 +54,11 @@ def held_out_prompts(count: int) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="torch")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="comma-separated: several dtypes run side by side")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
+    parser.add_argument("--block-size", type=int, default=8, help="runtime block of DFlash and DFlash2 (the trained one is 8)")
     parser.add_argument("--verifiers", default="auto", help="comma-separated verifier kinds to run the drafters with")
     parser.add_argument("--json", help="also write the per-prompt results here")
     args = parser.parse_args()
@@ -63,26 +66,42 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    runs = engines(args.backend, args.dtype, args.verifiers.split(","))
+    dtypes = args.dtype.split(",")
+    runs = {dtype: engines(args.backend, dtype, args.verifiers.split(","), args.block_size) for dtype in dtypes}
     prompts = held_out_prompts(args.prompts)
-    for engine in runs.values():  # warm-up: first-call costs stay out of the timings
-        engine.run(prompt_ids=prompts[0], max_new_tokens=16, ignore_eos=True)
-    rows: dict[str, list[dict]] = {name: [] for name in runs}
+    for group in runs.values():  # warm-up: first-call costs stay out of the timings
+        for engine in group.values():
+            engine.run(prompt_ids=prompts[0], max_new_tokens=16, ignore_eos=True)
+    rows = {dtype: {name: [] for name in group} for dtype, group in runs.items()}
     for prompt in prompts:
-        for name, engine in runs.items():
-            stats = engine.run(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True).stats
-            rows[name].append({"decode_tokens_per_s": stats.decode_tokens_per_s,
-                               "mean_acceptance_length": stats.mean_acceptance_length,
-                               "tokens": list(engine.last_token_ids)})
-    report(rows, args)
+        for dtype, group in runs.items():
+            for name, engine in group.items():
+                stats = engine.run(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True).stats
+                rows[dtype][name].append({"decode_tokens_per_s": stats.decode_tokens_per_s,
+                                          "mean_acceptance_length": stats.mean_acceptance_length,
+                                          "tokens": list(engine.last_token_ids)})
+    for dtype in dtypes:
+        report(rows[dtype], args, dtype)
+    if len(dtypes) > 1:
+        across(rows, dtypes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f)
 
 
-def report(rows: dict[str, list[dict]], args) -> None:
+def across(rows: dict[str, dict[str, list[dict]]], dtypes: list[str]) -> None:
+    """Every engine's decode speed over plain decoding in the first dtype (the same prompts)."""
+    base = rows[dtypes[0]]["plain"]
+    print(f"speed-up over plain {dtypes[0]} decoding (median of per-prompt ratios):")
+    for dtype in dtypes:
+        cells = [f"{name} {statistics.median(r['decode_tokens_per_s'] / b['decode_tokens_per_s'] for r, b in zip(runs, base)):.2f}x"
+                 for name, runs in rows[dtype].items()]
+        print(f"  {dtype:<10}" + ", ".join(cells))
+
+
+def report(rows: dict[str, list[dict]], args, dtype: str) -> None:
     plain = rows["plain"]
-    print(f"shipped pair, {args.backend} {args.dtype}, {len(plain)} held-out prompts, "
+    print(f"shipped pair, {args.backend} {dtype}, block {args.block_size}, {len(plain)} held-out prompts, "
           f"{args.max_new_tokens} new tokens, greedy")
     print(f"plain decoding: median {statistics.median(r['decode_tokens_per_s'] for r in plain):.1f} tok/s")
     print(f"{'drafter':<20}{'tau mean':>9}{'tau med':>9}{'tok/s':>9}{'speed-up med':>14}{'same tokens':>13}")
