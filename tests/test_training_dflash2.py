@@ -154,10 +154,16 @@ def test_cli_dflash2(trained_target, tmp_path):
     assert main(argv) == 0
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
     info = json.loads((out / "training.json").read_text())  # which data the packaged manifest reports
-    assert info["sequences_file"] == "sequences.npy" and info["sequences_made_by"].startswith("4 windows of 8 corpus tokens")
+    made_by = info["sequences_made_by"]
+    assert info["sequences_file"] == "sequences.npy" and made_by.startswith("4 windows of 8 corpus tokens (seed 0)")
     engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "dflash2", "path": str(out)}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6
+    # a later run on the cached sequences with another training seed keeps their provenance
+    again = tmp_path / "again"
+    reuse = [str(again) if a == str(out) else a for a in argv]
+    assert main(reuse + ["--sequences-file", str(out / "sequences.npy"), "--seed", "5"]) == 0
+    assert json.loads((again / "training.json").read_text())["sequences_made_by"] == made_by
 
 
 def test_dflash2_trains_under_bf16_autocast(trained_target, sequences, tmp_path):

@@ -185,15 +185,30 @@ def sequences_file(args) -> Path:
     return args.sequences_file or args.out / "sequences.npy"
 
 
+def sequences_provenance(seq_file: Path) -> Path:
+    """The JSON beside a sequence cache that says how its sequences were made."""
+    return seq_file.with_suffix(".json")
+
+
+def describe_sequences(args) -> str:
+    """How this run would make its sequences (the sequence cache's provenance)."""
+    return (f"{args.sequences} windows of {args.prompt_len} corpus tokens (seed {args.seed}) "
+            f"continued greedily for {args.response_len} tokens by the target model (folder {Path(args.target).name})")
+
+
 def record_sequences(draft_dir: Path, args) -> None:
-    """Say in the draft's training.json which sequence file it learned from, and how that was made."""
+    """Say in the draft's training.json which sequence file it learned from, and how that was
+    made: from the provenance written beside the file when it was generated (a later run's
+    --seed is its training seed, not the one the cached sequences were drawn with)."""
     info_file = Path(draft_dir) / "training.json"
     if not info_file.exists():  # not the main process
         return
     info = json.loads(info_file.read_text())
-    info["sequences_file"] = sequences_file(args).name
-    info["sequences_made_by"] = (f"{args.sequences} windows of {args.prompt_len} corpus tokens (seed {args.seed}) "
-                                 f"continued greedily for {args.response_len} tokens by the target {Path(args.target).name}")
+    seq_file = sequences_file(args)
+    provenance = sequences_provenance(seq_file)
+    info["sequences_file"] = seq_file.name
+    info["sequences_made_by"] = (json.loads(provenance.read_text())["made_by"] if provenance.exists()
+                                 else "unknown: the cache has no provenance file beside it")
     info_file.write_text(json.dumps(info, indent=1))
 
 
@@ -216,6 +231,7 @@ def target_sequences(args) -> np.ndarray:
     sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len)
     seq_file.parent.mkdir(parents=True, exist_ok=True)
     np.save(seq_file, sequences)
+    sequences_provenance(seq_file).write_text(json.dumps({"made_by": describe_sequences(args)}, indent=1))
     return sequences
 
 
