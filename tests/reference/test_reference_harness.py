@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from .harness import run_reference, run_reference_batch, run_reference_in_process
+from .harness import ReferenceUnavailable, run_reference, run_reference_batch, run_reference_in_process
 from .make_tiny_checkpoints import PLANTED_TOKEN, build_dflash2
 
 pytestmark = pytest.mark.reference
@@ -131,7 +131,10 @@ def test_in_process_timing_run_matches_the_reference_venv(reference, ref_checkpo
     ckpt = ref_checkpoints["planted"]
     venv = reference("mlx", "planted", draft, BLOCK)
     for options in ({}, {"baseline": True}):
-        here = run_reference_in_process("mlx", ckpt["target"], ckpt[draft], PROMPT, MAX_NEW, BLOCK, **options)
+        try:
+            here = run_reference_in_process("mlx", ckpt["target"], ckpt[draft], PROMPT, MAX_NEW, BLOCK, **options)
+        except ReferenceUnavailable as exc:  # e.g. a newer mlx here than the venv's pinned one
+            pytest.skip(str(exc))
         expected = reference("mlx", "planted", "dflash", 1, baseline=True) if options else venv
         assert here["proposals"] is None and here["decode_s"] > 0
         assert here["tokens"] == expected["tokens"]
