@@ -47,7 +47,8 @@ def engine(kind: str, dtype: str, target: Path, draft: Path | None = None):
 def reference_rates(target: Path, draft: Path, prompt: list[int], args, block: int) -> tuple[float, float, float]:
     """One run each of the reference's plain and speculative loops, timed as shipped (no
     recording wrapper): (plain tok/s, speculative tok/s, mean acceptance length)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    if str(ROOT / "tests") not in sys.path:  # called once per repeat
+        sys.path.insert(0, str(ROOT / "tests"))
     from reference.harness import run_reference, run_reference_in_process
 
     run = run_reference if args.reference_subprocess else run_reference_in_process

@@ -72,7 +72,8 @@ SHAPE=(--block-size $BLOCK --layers 2 --features 3 --anchors 32 --batch 4)
 # had seen less than one pass of them in 1500 steps, and its held-out acceptance was still rising
 # (2.74 at 600 steps, 2.92 at 1500). DFlash gets the same 3500 more steps, so both block drafters
 # end with equal training (stage 2 + 3: 9500 steps each), in two runs as it was done: 2000 steps
-# (seed 1), then 1500 (seed 2)
+# (seed 1), then 1500 (seed 2). The later --seed overrides SEQ2's: the sequences are cached, so
+# it seeds only batches and anchors
 [ -f "$WORK/dflash2-v3/training.json" ] ||
   speculant train dflash2 --target "$WORK/target-bf16" --out "$WORK/dflash2-v3" "${SEQ2[@]}" "${SHAPE[@]}" \
     --init-from "$WORK/dflash2-v2" --steps 2000 --lr 2e-4 --seed 1 --checkpoint-every 250 --fp32

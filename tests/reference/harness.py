@@ -16,6 +16,7 @@ otherwise tests that need it are skipped with the reason.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -177,7 +178,9 @@ def run_reference_in_process(backend: str, *args: Any, **options: Any) -> dict[s
     return runner.run_one(runner.parse_args(argv))
 
 
+@functools.lru_cache(maxsize=None)
 def _reference_runner_module():
+    """run_reference.py as a module, loaded once (each benchmark repeat calls it twice)."""
     import importlib.util
 
     if "dflash" not in sys.modules:

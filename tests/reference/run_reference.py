@@ -9,7 +9,9 @@ interpreter. The installed package files are not edited; three runtime substitut
 - both: the target's forward is observed (a torch forward pre-hook / a wrapper around the mlx-lm
   inner model) to record each verify call's input, whose tokens after the anchor are the drafted
   tokens before verification ("proposals"); with ``--capture-logits`` the draft's
-  ``compute_logits`` is wrapped on the instance to record the draft logits rows.
+  ``compute_logits`` is wrapped on the instance to record the draft logits rows. MLX with
+  ``--timing`` leaves the target unwrapped (the wrapper's ``.tolist()`` waits on every input),
+  so the loop is timed as shipped and ``proposals`` is null.
 
     python run_reference.py --backend torch|mlx --target DIR --draft DIR --prompt-ids 1,2,3 \
         --max-new-tokens N --block-size B --temperature T [--baseline] [--stop-token-ids 254]
