@@ -101,16 +101,11 @@ class AcceptanceModel:
         self._renormalise()
         self._cache = None
 
-    def reset_to(self, tokens: float, width: int, weight: float = 2.0) -> None:
-        """Replace the acceptance evidence by ``weight`` cycles of a constant conditional rate
-        that commits ``tokens`` per cycle at ``width`` drafts (after a detected change)."""
+    def reset_to(self, rate: float, width: int, weight: float = 2.0) -> None:
+        """Replace the acceptance evidence by ``weight`` cycles of the constant conditional
+        ``rate`` at ``width`` drafts (after a detected change)."""
         width = max(1, width)
-        target = min(max(tokens, 1.0), width + 1.0)
-        lo, hi = 0.0, 1.0
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if expected_tokens([mid] * width)[width] < target else (lo, mid)
-        a = 0.5 * (lo + hi)
+        a = min(max(rate, EPS), 1.0 - EPS)
         unit = weight / self.scale
         self.tried = [unit] * width
         self.survived = [unit * a ** (j + 1) for j in range(width)]

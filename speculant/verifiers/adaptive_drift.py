@@ -20,14 +20,13 @@ class DriftDetector:
     cycles it screens the realized total against the model's mean and variance (more than
     ``Z`` standard deviations and half a token per cycle away), then compares the likelihood of the
     window under the model's per-cycle predictions with its likelihood under the best constant
-    conditional acceptance rate; a ratio below ``RATIO`` is a change, and ``last_realized``
-    (the window's median) the new level.
+    conditional acceptance rate; a ratio below ``RATIO`` is a change, and that rate
+    (``last_rate``) the new level.
     """
 
     WINDOW = 3
     Z = 2.0
     RATIO = 1e-2
-    GRID = [i / 20 for i in range(21)]
 
     def __init__(self) -> None:
         self.reset()
@@ -35,6 +34,7 @@ class DriftDetector:
     def reset(self) -> None:
         self.window: list[tuple[int, list[float], float, float]] = []
         self.last_realized = self.last_predicted = 0.0
+        self.last_rate = 0.0
 
     def update(self, realized: int, pmf: list[float]) -> str | None:
         """``pmf[t - 1]`` = P(t tokens) predicted for this cycle; ``realized`` tokens came."""
@@ -46,17 +46,35 @@ class DriftDetector:
         if abs(diff) <= max(self.Z * math.sqrt(var), 0.5 * self.WINDOW):
             return None
         model = math.fsum(math.log(max(q[r - 1], 1e-300)) for r, q, _, _ in self.window)
-        best = max(
-            math.fsum(math.log(max(token_distribution([a] * (len(q) - 1))[r - 1], 1e-300)) for r, q, _, _ in self.window)
-            for a in self.GRID
-        )
+        rate, best = constant_rate_fit([(r, len(q) - 1) for r, q, _, _ in self.window])
         if model - best >= math.log(self.RATIO):
             return None
-        realized_level = sorted(r for r, _, _, _ in self.window)[self.WINDOW // 2]
         predicted = sum(mean for _, _, mean, _ in self.window) / self.WINDOW
+        realized_mean = sum(r for r, _, _, _ in self.window) / self.WINDOW
         self.reset()
-        self.last_realized, self.last_predicted = float(realized_level), predicted
+        self.last_realized, self.last_predicted, self.last_rate = realized_mean, predicted, rate
         return "dropped" if diff < 0 else "rose"
+
+
+def constant_rate_fit(cycles: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """The constant conditional acceptance rate that best explains ``(tokens, submitted)``
+    cycles, and its log-likelihood.
+
+    A cycle that committed t tokens of n submitted drafts accepted t - 1 drafts and rejected one
+    unless t - 1 = n, so the likelihood is a^accepted (1 - a)^rejected and the maximum is at
+    accepted / (accepted + rejected). Cycles of different widths (warm-up, probes) count each
+    draft they reached, where a median of tokens per cycle would mix widths.
+    """
+    accepted = sum(t - 1 for t, _ in cycles)
+    rejected = sum(1 for t, n in cycles if t - 1 < n)
+    if accepted + rejected == 0:
+        return 1.0, 0.0
+    rate = accepted / (accepted + rejected)
+    return rate, _xlogy(accepted, rate) + _xlogy(rejected, 1.0 - rate)
+
+
+def _xlogy(x: float, y: float) -> float:
+    return 0.0 if x == 0 else x * math.log(y)
 
 
 def token_distribution(probs: Sequence[float]) -> list[float]:

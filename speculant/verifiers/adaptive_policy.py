@@ -28,8 +28,11 @@ the first ``request_probe_delay`` cycles in (a request's first tokens are atypic
 requests probe every 2nd and then every 4th time while those probes keep failing. While
 speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
 is close to competitive, and every 8 cycles while the plain-step cost at this context length
-rests on fewer than three samples. The first cycles of a policy's life are a warm-up: one full-width
-cycle and one plain step, so both ends of the cost curve are measured here.
+rests on fewer than three samples. The first cycles of a policy's life are a warm-up
+(``WARMUP``): four full-width cycles and two plain steps, so both ends of the cost curve are
+measured here and no fallback rests on one cycle's acceptance or on one cold timing (a process's
+first draft and first wide forward are the slowest it will see; costs start at the median of
+their first three samples).
 
 Every input is draft-side (this cycle's confidences) or from finished cycles (acceptance,
 timings): nothing here can see the target output of the cycle being decided.
@@ -50,6 +53,7 @@ from speculant.verifiers.adaptive_drift import DriftDetector, token_distribution
 TRUSTED = RunningMean.TRUSTED
 CHECK_EVERY = 4  # cycles between speculation-vs-plain comparisons unless the margin is thin
 REFRESH_SOON = 8  # speculative cycles between plain steps while the plain-step cost is uncertain
+WARMUP = ("probe", "plain:warmup", "probe", "probe", "plain:warmup", "probe")  # a policy's first cycles
 
 
 class AdaptiveOptions(BaseModel):
@@ -105,7 +109,7 @@ class AdaptivePolicy:
         self.costs = CostModel(o.cost_alpha, o.cost_table, 0.0 if o.cost_table and o.draft_cost is None else o.draft_cost)
         self.acceptance = AcceptanceModel(o.acceptance_decay, o.prior_acceptance, o.prior_weight)
         self.mode = "warmup" if o.warmup and o.cost_table is None else "speculate"
-        self.warmup_steps = ["probe", "plain:warmup"]
+        self.warmup_steps = list(WARMUP)
         self.interval = o.probe_interval
         self.countdown = 0
         self.probe_stage = "narrow"  # a probe submits one draft first, the full width if it passed
@@ -207,10 +211,11 @@ class AdaptivePolicy:
             self.acceptance.observe(submitted, accepted, self.confidence)
             change = self.drift.update(accepted + 1, self.predicted)
             if change:
-                self.acceptance.reset_to(self.drift.last_realized, submitted)
+                self.acceptance.reset_to(self.drift.last_rate, max(submitted, self.k_block))
                 self.checks_due = 0
                 self._event(self.mode, f"acceptance {change}: {self.drift.last_realized:.2f} tokens per cycle where "
-                            f"{self.drift.last_predicted:.2f} were expected; history replaced by the recent level", None)
+                            f"{self.drift.last_predicted:.2f} were expected; history replaced by the recent "
+                            f"level ({self.drift.last_rate:.2f} per draft)", None)
         self.confidence = None
         self.acceptance.tick()
         self.since_plain = 0 if submitted == 0 else self.since_plain + 1
