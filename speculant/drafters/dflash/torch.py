@@ -51,11 +51,23 @@ class Rotary(nn.Module):
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scale = scale
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def span(self, start: int, count: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions ``start .. start + count - 1``: slices of tables kept for every
+        position seen so far (doubling as they grow), equal to :meth:`forward` element for
+        element. Decoding asks for two short spans per round; recomputing them was ~20 ops."""
+        end = start + count
+        tables = self._tables
+        if tables is None or tables[0].shape[0] < end or tables[0].dtype != dtype or tables[0].device != device:
+            size = max(256, 1 << (end - 1).bit_length())
+            tables = self._tables = self(torch.arange(size, device=device), dtype)
+        return tables[0][start:end], tables[1][start:end]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -148,12 +160,16 @@ class DFlashModel(nn.Module):
         return self.hidden_norm(self.fc(features))
 
 
-def attention_mask(ctx_positions: torch.Tensor, block_positions: torch.Tensor, causal: bool, window: int | None):
-    """Boolean keep-mask [q, ctx + q] or None when every key is visible."""
-    if not causal and window is None:
+def attention_mask(ctx_start: int, ctx_length: int, block_start: int, block_length: int, causal: bool,
+                   window: int | None, device=None) -> torch.Tensor | None:
+    """Boolean keep-mask [block, ctx + block] for context rows at ``ctx_start ..`` followed by
+    block rows at ``block_start ..``, or None when every key is visible (context rows always
+    precede the block, so a non-causal layer hides keys only by its window)."""
+    if not causal and (window is None or (block_start + block_length - 1 - ctx_start < window and block_length <= window)):
         return None
-    keys = torch.cat([ctx_positions, block_positions])
-    rel = block_positions[:, None] - keys[None, :]  # query - key
+    keys = torch.cat([torch.arange(ctx_start, ctx_start + ctx_length, device=device),
+                      torch.arange(block_start, block_start + block_length, device=device)])
+    rel = torch.arange(block_start, block_start + block_length, device=device)[:, None] - keys[None, :]  # query - key
     keep = torch.ones_like(rel, dtype=torch.bool)
     if causal:
         keep &= rel >= 0
@@ -165,23 +181,30 @@ def attention_mask(ctx_positions: torch.Tensor, block_positions: torch.Tensor, c
 
 
 class ContextCache:
-    """Per-layer keys/values of committed context rows (block rows are never stored)."""
+    """Per-layer keys/values of committed context rows (block rows are never stored); a
+    layer's rows are consecutive positions from ``starts[layer]`` on."""
 
     def __init__(self, num_layers: int, windows: list[int | None]) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.positions: list[torch.Tensor | None] = [None] * num_layers
+        self.starts: list[int] = [0] * num_layers
         self.windows = windows
 
-    def append(self, layer: int, k, v, positions) -> None:
+    def append(self, layer: int, k, v, start: int) -> None:
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=1)
             v = torch.cat([self.values[layer], v], dim=1)
-            positions = torch.cat([self.positions[layer], positions])
+        else:
+            self.starts[layer] = start
         window = self.windows[layer]
         if window is not None and k.shape[1] > window - 1:  # a sliding layer never needs more
-            k, v, positions = k[:, -(window - 1):], v[:, -(window - 1):], positions[-(window - 1):]
-        self.keys[layer], self.values[layer], self.positions[layer] = k, v, positions
+            self.starts[layer] += k.shape[1] - (window - 1)
+            k, v = k[:, -(window - 1):], v[:, -(window - 1):]
+        self.keys[layer], self.values[layer] = k, v
+
+    def length(self, layer: int) -> int:
+        keys = self.keys[layer]
+        return 0 if keys is None else int(keys.shape[1])
 
 
 class TorchDFlashDrafter(Drafter):
@@ -196,7 +219,7 @@ class TorchDFlashDrafter(Drafter):
         self.cache: ContextCache | None = None
         self.pending: list[torch.Tensor] = []
         self.context_length = 0
-        self._mask_ids: dict[int, torch.Tensor] = {}
+        self._dtype = next(model.parameters()).dtype
 
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         self.cache = ContextCache(self.cfg.num_hidden_layers, [l.window for l in self.model.layers])
@@ -215,21 +238,21 @@ class TorchDFlashDrafter(Drafter):
         self.pending = []
         n_ctx = features.shape[0]
         device = features.device
-        ctx_pos = torch.arange(self.context_length, self.context_length + n_ctx, device=device)
-        block_pos = torch.arange(request.position, request.position + k + 1, device=device)
-        dtype = next(m.parameters()).dtype
+        dtype = self._dtype
         ctx = m.project_context(features.to(dtype))
-        ctx_cos, ctx_sin = m.rotary(ctx_pos, dtype)
-        cos, sin = m.rotary(block_pos, dtype)
+        ctx_cos, ctx_sin = m.rotary.span(self.context_length, n_ctx, dtype, device)
+        cos, sin = m.rotary.span(request.position, k + 1, dtype, device)
         ids = self._block_ids(request.anchor_id, k)
         x = self.target.embed(ids).to(dtype)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
+        cache = self.cache
         for i, layer in enumerate(m.layers):
             ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-            self.cache.append(i, ck, cv, ctx_pos)
-            mask = attention_mask(self.cache.positions[i], block_pos, layer.causal, layer.window)
-            x = layer(x, cos, sin, self.cache.keys[i], self.cache.values[i], mask)
+            cache.append(i, ck, cv, self.context_length)
+            mask = attention_mask(cache.starts[i], cache.length(i), request.position, k + 1, layer.causal,
+                                  layer.window, device)
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
         self.context_length += n_ctx
         return m.norm(x[1:])
 

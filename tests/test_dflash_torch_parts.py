@@ -1,0 +1,48 @@
+"""Parts of the PyTorch DFlash draft that decoding takes shortcuts through: cached RoPE spans
+and the attention mask that is skipped when every key is visible."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculant.drafters.dflash.config import parse_config  # noqa: E402
+from speculant.drafters.dflash.torch import Rotary, attention_mask  # noqa: E402
+from speculant.embedded import PAIR_DIR  # noqa: E402
+
+
+def brute_mask(ctx_start, ctx_length, block_start, block_length, causal, window):
+    keys = list(range(ctx_start, ctx_start + ctx_length)) + list(range(block_start, block_start + block_length))
+    rows = []
+    for q in range(block_start, block_start + block_length):
+        rows.append([(not causal or q - k >= 0) and (window is None or (q - k < window and (causal or q - k > -window)))
+                     for k in keys])
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (False, 4), (False, 9), (True, None), (True, 6)])
+def test_mask_is_skipped_exactly_when_every_key_is_visible(causal, window):
+    for ctx_start, ctx_length, block_length in itertools.product((0, 3), (0, 1, 5), (1, 4, 8)):
+        block_start = ctx_start + ctx_length
+        expected = brute_mask(ctx_start, ctx_length, block_start, block_length, causal, window)
+        got = attention_mask(ctx_start, ctx_length, block_start, block_length, causal, window)
+        if got is None:
+            assert bool(expected.all()), (ctx_start, ctx_length, block_length)
+        else:
+            assert torch.equal(got, expected), (ctx_start, ctx_length, block_length)
+    if not causal and window is not None:  # a window that hides keys builds a mask
+        assert attention_mask(0, 2 * window, 2 * window, 8, causal, window) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_rope_spans_equal_tables_computed_for_the_positions(dtype):
+    cfg, problems = parse_config(PAIR_DIR / "dflash")
+    assert cfg is not None, problems
+    rotary = Rotary(cfg)
+    for start, count in [(0, 9), (250, 9), (255, 300), (3, 1)]:  # the second-last grows the tables past 256
+        cos, sin = rotary.span(start, count, dtype, torch.device("cpu"))
+        want_cos, want_sin = rotary(torch.arange(start, start + count), dtype)
+        assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
