@@ -18,6 +18,7 @@ import mlx.nn as nn
 from speculant.core.interfaces import Drafter
 from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput
 from speculant.drafters.dflash.config import DFlashConfig
+from speculant.drafters.dflash.visibility import every_key_visible
 
 
 def make_rope(cfg: DFlashConfig) -> nn.Module:
@@ -152,8 +153,9 @@ class ContextKV:
 
 
 def block_mask(n_ctx: int, ctx_end: int, position: int, q_len: int, causal: bool, window: int | None):
-    """Boolean keep-mask [q, n_ctx + q] over [context rows ending at ``ctx_end``; block], or None."""
-    if not causal and window is None:
+    """Boolean keep-mask [q, n_ctx + q] over [context rows ending at ``ctx_end``; block], or None
+    when every key is visible."""
+    if every_key_visible(ctx_end - n_ctx, position, q_len, causal, window):
         return None
     keys = mx.concatenate([mx.arange(ctx_end - n_ctx, ctx_end), mx.arange(position, position + q_len)])
     rel = mx.arange(position, position + q_len)[:, None] - keys[None, :]  # query - key

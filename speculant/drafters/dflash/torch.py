@@ -17,6 +17,7 @@ from torch import nn
 from speculant.core.interfaces import Drafter
 from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput
 from speculant.drafters.dflash.config import DFlashConfig
+from speculant.drafters.dflash.visibility import every_key_visible
 
 
 class RMSNorm(nn.Module):
@@ -163,9 +164,8 @@ class DFlashModel(nn.Module):
 def attention_mask(ctx_start: int, ctx_length: int, block_start: int, block_length: int, causal: bool,
                    window: int | None, device=None) -> torch.Tensor | None:
     """Boolean keep-mask [block, ctx + block] for context rows at ``ctx_start ..`` followed by
-    block rows at ``block_start ..``, or None when every key is visible (context rows always
-    precede the block, so a non-causal layer hides keys only by its window)."""
-    if not causal and (window is None or (block_start + block_length - 1 - ctx_start < window and block_length <= window)):
+    block rows at ``block_start ..``, or None when every key is visible."""
+    if every_key_visible(ctx_start, block_start, block_length, causal, window):
         return None
     keys = torch.cat([torch.arange(ctx_start, ctx_start + ctx_length, device=device),
                       torch.arange(block_start, block_start + block_length, device=device)])

@@ -1,5 +1,5 @@
-"""Parts of the PyTorch DFlash draft that decoding takes shortcuts through: cached RoPE spans
-and the attention mask that is skipped when every key is visible."""
+"""Parts of the DFlash draft that decoding takes shortcuts through: the attention mask that is
+skipped when every key is visible (PyTorch and MLX) and cached RoPE spans (PyTorch)."""
 
 from __future__ import annotations
 
@@ -23,18 +23,33 @@ def brute_mask(ctx_start, ctx_length, block_start, block_length, causal, window)
     return torch.tensor(rows, dtype=torch.bool)
 
 
+def torch_mask(ctx_start, ctx_length, block_start, block_length, causal, window):
+    return attention_mask(ctx_start, ctx_length, block_start, block_length, causal, window)
+
+
+def mlx_mask(ctx_start, ctx_length, block_start, block_length, causal, window):
+    pytest.importorskip("mlx.core")
+    import numpy as np
+
+    from speculant.drafters.dflash.mlx import block_mask
+
+    keep = block_mask(ctx_length, ctx_start + ctx_length, block_start, block_length, causal, window)
+    return None if keep is None else torch.from_numpy(np.array(keep))
+
+
+@pytest.mark.parametrize("build", [torch_mask, mlx_mask], ids=["torch", "mlx"])
 @pytest.mark.parametrize("causal,window", [(False, None), (False, 4), (False, 9), (True, None), (True, 6)])
-def test_mask_is_skipped_exactly_when_every_key_is_visible(causal, window):
+def test_mask_is_skipped_exactly_when_every_key_is_visible(build, causal, window):
     for ctx_start, ctx_length, block_length in itertools.product((0, 3), (0, 1, 5), (1, 4, 8)):
         block_start = ctx_start + ctx_length
         expected = brute_mask(ctx_start, ctx_length, block_start, block_length, causal, window)
-        got = attention_mask(ctx_start, ctx_length, block_start, block_length, causal, window)
+        got = build(ctx_start, ctx_length, block_start, block_length, causal, window)
         if got is None:
             assert bool(expected.all()), (ctx_start, ctx_length, block_length)
         else:
             assert torch.equal(got, expected), (ctx_start, ctx_length, block_length)
     if not causal and window is not None:  # a window that hides keys builds a mask
-        assert attention_mask(0, 2 * window, 2 * window, 8, causal, window) is not None
+        assert build(0, 2 * window, 2 * window, 8, causal, window) is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
