@@ -164,6 +164,13 @@ def test_cli_dflash2(trained_target, tmp_path):
     reuse = [str(again) if a == str(out) else a for a in argv]
     assert main(reuse + ["--sequences-file", str(out / "sequences.npy"), "--seed", "5"]) == 0
     assert json.loads((again / "training.json").read_text())["sequences_made_by"] == made_by
+    # a run continued from that one carries the chain of runs behind it
+    third = tmp_path / "third"
+    chained = [str(third) if a == str(out) else a for a in argv]
+    assert main(chained + ["--sequences-file", str(out / "sequences.npy"), "--init-from", str(again)]) == 0
+    info = json.loads((third / "training.json").read_text())
+    assert info["init_from"] == "again" and info["init_from_training"]["settings"]["seed"] == 5
+    assert info["init_from_training"]["sequences_made_by"] == made_by
 
 
 def test_dflash2_trains_under_bf16_autocast(trained_target, sequences, tmp_path):

@@ -161,7 +161,7 @@ def cmd_dflash(args) -> int:
     shape = DFlashShape(args.layers, args.block_size, anchors_per_sequence=args.anchors, **_feature_flags(args))
     path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
                         init_from=args.init_from)
-    record_sequences(path, args)
+    record_provenance(path, args)
     print(f"draft saved to {path}")
     return 0
 
@@ -176,7 +176,7 @@ def cmd_dflash2(args) -> int:
                          selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)
     path = train_dflash2(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
                          init_from=args.init_from)
-    record_sequences(path, args)
+    record_provenance(path, args)
     print(f"DFlash2 draft saved to {path}")
     return 0
 
@@ -196,10 +196,12 @@ def describe_sequences(args) -> str:
             f"continued greedily for {args.response_len} tokens by the target model (folder {Path(args.target).name})")
 
 
-def record_sequences(draft_dir: Path, args) -> None:
+def record_provenance(draft_dir: Path, args) -> None:
     """Say in the draft's training.json which sequence file it learned from, and how that was
     made: from the provenance written beside the file when it was generated (a later run's
-    --seed is its training seed, not the one the cached sequences were drawn with)."""
+    --seed is its training seed, not the one the cached sequences were drawn with). A run
+    continued from another draft (--init-from) also carries that draft's training.json, so
+    the whole chain of runs is in the last one."""
     info_file = Path(draft_dir) / "training.json"
     if not info_file.exists():  # not the main process
         return
@@ -209,6 +211,11 @@ def record_sequences(draft_dir: Path, args) -> None:
     info["sequences_file"] = seq_file.name
     info["sequences_made_by"] = (json.loads(provenance.read_text())["made_by"] if provenance.exists()
                                  else "unknown: the cache has no provenance file beside it")
+    init_from = getattr(args, "init_from", None)
+    parent = Path(init_from) / "training.json" if init_from else None
+    if parent is not None:
+        info["init_from_training"] = (json.loads(parent.read_text()) if parent.exists()
+                                      else "unknown: the folder has no training.json")
     info_file.write_text(json.dumps(info, indent=1))
 
 
@@ -240,7 +247,7 @@ def cmd_mtp(args) -> int:
 
     sequences = target_sequences(args)
     path = train_mtp(args.target, sequences, args.prompt_len, args.out, MTPShape(), _settings(args), args.batch)
-    record_sequences(path, args)
+    record_provenance(path, args)
     print(f"MTP head saved to {path} (drafter = {{kind = \"mtp\", path = \"{path}\"}})")
     return 0
 
