@@ -67,7 +67,7 @@ class AdaptiveOptions(BaseModel):
     prior_acceptance: float = Field(0.5, gt=0.0, lt=1.0)
     prior_weight: float = Field(1.0, gt=0.0)
     use_confidence: bool = True
-    probe_budget: float = Field(0.02, gt=0.0, le=1.0, description="share of plain-decoding time re-probes may cost")
+    probe_budget: float = Field(0.05, gt=0.0, le=1.0, description="share of plain-decoding time re-probes may cost")
     probe_interval: int = Field(8, ge=1, description="fewest plain cycles between re-probes")
     max_probe_interval: int = Field(512, ge=1, description="most plain cycles between re-probes")
     probe_cycles: int = Field(2, ge=1, description="narrow probe cycles before a probe counts as failed")
