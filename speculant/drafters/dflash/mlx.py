@@ -157,8 +157,9 @@ def block_mask(n_ctx: int, ctx_end: int, position: int, q_len: int, causal: bool
     when every key is visible."""
     if every_key_visible(ctx_end - n_ctx, position, q_len, causal, window):
         return None
-    keys = mx.concatenate([mx.arange(ctx_end - n_ctx, ctx_end), mx.arange(position, position + q_len)])
-    rel = mx.arange(position, position + q_len)[:, None] - keys[None, :]  # query - key
+    queries = mx.arange(position, position + q_len)
+    keys = mx.concatenate([mx.arange(ctx_end - n_ctx, ctx_end), queries])
+    rel = queries[:, None] - keys[None, :]  # query - key
     keep = mx.ones(rel.shape, dtype=mx.bool_)
     if causal:
         keep = keep & (rel >= 0)

@@ -167,9 +167,9 @@ def attention_mask(ctx_start: int, ctx_length: int, block_start: int, block_leng
     block rows at ``block_start ..``, or None when every key is visible."""
     if every_key_visible(ctx_start, block_start, block_length, causal, window):
         return None
-    keys = torch.cat([torch.arange(ctx_start, ctx_start + ctx_length, device=device),
-                      torch.arange(block_start, block_start + block_length, device=device)])
-    rel = torch.arange(block_start, block_start + block_length, device=device)[:, None] - keys[None, :]  # query - key
+    queries = torch.arange(block_start, block_start + block_length, device=device)
+    keys = torch.cat([torch.arange(ctx_start, ctx_start + ctx_length, device=device), queries])
+    rel = queries[:, None] - keys[None, :]  # query - key
     keep = torch.ones_like(rel, dtype=torch.bool)
     if causal:
         keep &= rel >= 0
