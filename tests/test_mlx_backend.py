@@ -261,3 +261,28 @@ def test_sliding_draft_layers_keep_window_minus_one_context_rows(planted_pair):
     assert [c.window for c in e.drafter.caches] == [8, 8]
     assert all(c.length == 7 and c.keys.shape[2] == 7 for c in e.drafter.caches)
     assert e.drafter.max_context == 7  # all layers slide: older feature rows are never projected
+
+
+def test_mlx_takes_dflash_keys_only_from_dflash_config(planted_pair, tmp_path):
+    """The reference MLX loader's stricter rule: mask_token_id and target_layer_ids at the top
+    level of config.json serve PyTorch (transformers reads them there) but not MLX, whose
+    validator names the dflash_config keys to add, before any weights load."""
+    import json
+    import shutil
+
+    from speculant.core.validator import validate
+
+    draft = tmp_path / "draft"
+    shutil.copytree(planted_pair["draft"], draft)
+    raw = json.loads((draft / "config.json").read_text())
+    raw.update(raw.pop("dflash_config"))  # block_size may sit at the top level under both rules
+    (draft / "config.json").write_text(json.dumps(raw))
+
+    def errors(kind):
+        report = validate({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
+                           "target": {"path": str(planted_pair["target"])},
+                           "drafter": {"kind": "dflash", "path": str(draft)}})
+        return [p.field for p in report.errors]
+
+    assert errors("torch") == []
+    assert errors("mlx") == ["drafter.path (dflash_config.mask_token_id)", "drafter.path (dflash_config.target_layer_ids)"]
