@@ -112,3 +112,22 @@ def test_generate_without_a_config_refuses_a_foreign_draft():
     proc = cli("generate", PROMPT, "--draft", "/nonexistent")
     assert proc.returncode == 2
     assert "--draft needs --target or --config" in proc.stderr
+
+
+def test_train_evaluate_prints_the_held_out_mean_acceptance_length(capsys):
+    """``speculant train evaluate``, the final evaluation of a trained draft: mean acceptance
+    length over held-out corpus prompts, as JSON, equal to the engine's own figure per prompt."""
+    from speculant.cli import main
+    from speculant.training.command import corpus_prompts
+
+    target, draft = embedded.PAIR_DIR / "target", embedded.PAIR_DIR / "dflash"
+    assert main(["train", "evaluate", "--target", str(target), "--draft", str(draft), "--prompts", "2",
+                 "--max-new-tokens", "24"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == 2 and len(result["per_prompt"]) == 2
+    assert result["mean_acceptance_length"] == pytest.approx(sum(result["per_prompt"]) / 2)
+    check = speculant.Engine.from_config({"target": {"path": str(target)}, "drafter": {"kind": "dflash", "path": str(draft)}})
+    first = corpus_prompts(target, 2, 64, seed=1234, held_out=True)[0]
+    stats = check.run(prompt_ids=first.tolist(), max_new_tokens=24, ignore_eos=True).stats
+    assert result["per_prompt"][0] == pytest.approx(stats.mean_acceptance_length)
+    assert 1.0 < result["mean_acceptance_length"] <= 8.0

@@ -16,6 +16,23 @@ from training_helpers import TEXTS, lossless_acceptance  # noqa: E402
 
 
 
+def test_progress_shows_loss_throughput_metrics_and_eta():
+    from rich.progress import TimeRemainingColumn
+
+    from speculant.training.loop import _Progress
+
+    progress = _Progress("dflash", total=10, start=2, enabled=True)
+    try:
+        progress.update(3, 1.2345, 512, {"acc1": 0.25})
+        task = progress.bar.tasks[0]
+        assert task.completed == 3 and task.total == 10
+        info = task.fields["info"]
+        assert info.startswith("loss 1.2345 ") and "tok/s" in info and info.endswith("acc1 0.250")
+        assert any(isinstance(c, TimeRemainingColumn) for c in progress.bar.columns)  # the ETA
+    finally:
+        progress.close()
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     from speculant.training.tokenizer import train_tokenizer
