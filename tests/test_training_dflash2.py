@@ -150,12 +150,14 @@ def test_cli_dflash2(trained_target, tmp_path):
     out = tmp_path / "cli"
     argv = ["train", "dflash2", "--target", str(trained_target), "--out", str(out), "--sequences", "4", "--prompt-len", "8",
             "--response-len", "16", "--block-size", "4", "--layers", "1", "--features", "2", "--selector-rank", "8",
-            "--selector-top-k", "4", "--anchors", "4", "--steps", "3", "--batch", "2", "--fp32", "--checkpoint-every", "3"]
+            "--selector-top-k", "4", "--anchors", "4", "--steps", "3", "--batch", "2", "--fp32", "--checkpoint-every", "3",
+            "--generate-batch", "3"]
     assert main(argv) == 0
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
     info = json.loads((out / "training.json").read_text())  # which data the packaged manifest reports
     made_by = info["sequences_made_by"]
     assert info["sequences_file"] == "sequences.npy" and made_by.startswith("4 windows of 8 corpus tokens (seed 0)")
+    assert made_by.endswith("3 at a time)") and np.load(out / "sequences.npy").shape == (4, 24)  # two batches: 3 + 1
     engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "dflash2", "path": str(out)}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6

@@ -98,6 +98,9 @@ def _sequence_flags(parser) -> None:
     parser.add_argument("--response-len", type=int, default=192)
     parser.add_argument("--sequences-file", type=Path,
                         help="cache of the generated sequences (.npy), shareable between drafters; default OUT/sequences.npy")
+    parser.add_argument("--generate-batch", type=int, default=64,
+                        help="prompts the target continues at once while making the sequences (256 is ~40%% faster "
+                             "on a 2-core CPU; batch shapes can move float near-ties, so a rerun keeps the batch)")
 
 
 def _loop_flags(parser, steps: int, lr: float) -> None:
@@ -193,7 +196,8 @@ def sequences_provenance(seq_file: Path) -> Path:
 def describe_sequences(args) -> str:
     """How this run would make its sequences (the sequence cache's provenance)."""
     return (f"{args.sequences} windows of {args.prompt_len} corpus tokens (seed {args.seed}) "
-            f"continued greedily for {args.response_len} tokens by the target model (folder {Path(args.target).name})")
+            f"continued greedily for {args.response_len} tokens by the target model (folder {Path(args.target).name}, "
+            f"{args.generate_batch} at a time)")
 
 
 def record_provenance(draft_dir: Path, args) -> None:
@@ -235,7 +239,7 @@ def target_sequences(args) -> np.ndarray:
                              "(--sequences, --prompt-len + --response-len): delete it or change the flags")
         return sequences
     prompts = corpus_prompts(args.target, args.sequences, args.prompt_len, args.seed)
-    sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len)
+    sequences = generate_sequences(load_frozen_target(args.target), prompts, args.response_len, args.generate_batch)
     seq_file.parent.mkdir(parents=True, exist_ok=True)
     np.save(seq_file, sequences)
     sequences_provenance(seq_file).write_text(json.dumps({"made_by": describe_sequences(args)}, indent=1))
@@ -259,9 +263,13 @@ def corpus_prompts(target_dir: Path, count: int, length: int, seed: int, held_ou
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     rng = np.random.default_rng(seed)
     texts = corpus_texts(held_out=held_out)
+    encoded: dict[int, np.ndarray] = {}  # each file tokenized once (thousands of windows share files)
     prompts = []
     while len(prompts) < count:
-        ids = tokenizer.encode(texts[rng.integers(len(texts))], add_special_tokens=False)
+        index = int(rng.integers(len(texts)))
+        if index not in encoded:
+            encoded[index] = np.asarray(tokenizer.encode(texts[index], add_special_tokens=False), dtype=np.int32)
+        ids = encoded[index]
         if len(ids) > length + 1:
             start = rng.integers(0, len(ids) - length)
             prompts.append(ids[start : start + length])
