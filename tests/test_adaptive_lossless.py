@@ -145,9 +145,10 @@ def test_policy_inputs_cannot_include_target_output():
     assert list(inspect.signature(AdaptivePolicy.wants_draft).parameters) == ["self", "max_tokens", "context_length"]
     assert list(inspect.signature(AdaptiveVerifier.plan).parameters) == list(inspect.signature(Verifier.plan).parameters)
     assert list(inspect.signature(Verifier.plan).parameters) == ["self", "draft", "max_tokens", "context_length"]
-    # what observe learns from is a finished cycle: counts and timings, never arrays
+    # what observe learns from is a finished cycle: counts, timings and the host token ids it
+    # committed (the repeat hint), never arrays; it runs after the cycle's verification
     observe = inspect.signature(AdaptivePolicy.observe).parameters
-    assert list(observe) == ["self", "submitted", "accepted", "timing", "verify_s"]
+    assert list(observe) == ["self", "submitted", "accepted", "timing", "verify_s", "token_ids"]
 
 
 class Recorder:

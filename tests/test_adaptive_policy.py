@@ -16,7 +16,7 @@ from speculant.core.types import CycleTiming, Draft, Verification
 from speculant.verifiers.adaptive import AdaptiveVerifier, host_confidence
 from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_tokens
 from speculant.verifiers.adaptive_cost import CostModel, context_bucket
-from speculant.verifiers.adaptive_drift import DriftDetector, constant_rate_fit, token_distribution
+from speculant.verifiers.adaptive_drift import DriftDetector, RepeatWatch, constant_rate_fit, token_distribution
 from speculant.verifiers.adaptive_policy import WARMUP, best_rate, best_width
 
 K = 15
@@ -25,11 +25,13 @@ STAIRS = [1e-3 * (1 + w // 4) for w in range(K + 1)]  # widths 1-4: 1 ms, 5-8: 2
 
 
 def drive(verifier, cycles, accept, costs, draft_s=0.3e-3, k=K, confidence=None, start=100, noise=0.0, seed=0,
-          totals=None, cold=1.0):
+          totals=None, cold=1.0, output=None):
     """Run ``cycles`` cycles; ``accept(cycle, n, confidences)`` -> accepted count. Returns widths;
     ``totals`` (a dict) gets the committed tokens and the seconds they cost added to it; the
-    first draft and the first forward of each width take ``cold`` times as long."""
+    first draft and the first forward of each width take ``cold`` times as long. The committed
+    token ids come from the iterator ``output`` (default: never repeating)."""
     rng = np.random.default_rng(seed)
+    output = itertools.count(1000) if output is None else output
     widths = []
     seen = set()
     for c in range(cycles):
@@ -46,7 +48,7 @@ def drive(verifier, cycles, accept, costs, draft_s=0.3e-3, k=K, confidence=None,
         target_s = costs[n] * jitter * (cold if n not in seen else 1.0)
         seen.update({n, "draft"} if drafted else {n})
         timing = CycleTiming(ctx, n, drafted, target_s, draft_s * (cold if first_draft else 1.0) if drafted else 0.0, 0.0)
-        verifier.observe(Verification(accepted, [1] * (accepted + 1)), n, timing)
+        verifier.observe(Verification(accepted, [next(output) for _ in range(accepted + 1)]), n, timing)
         widths.append(n)
         if totals is not None:
             totals["tokens"] = totals.get("tokens", 0) + accepted + 1
@@ -204,6 +206,49 @@ def test_zero_acceptance_falls_back_and_keeps_probing_within_budget():
     assert extra / (len(widths[first_plain:]) * FLAT[0]) < 0.025
     assert d["fallback_cycles"]["cost"] >= 0.97 * len(widths) - 10
     assert d["events"][0]["mode"] == "fallback"
+
+
+def test_repeat_watch_hits_when_a_span_recurs():
+    watch = RepeatWatch()
+    span = list(range(RepeatWatch.SPAN))
+    assert not watch.add(span) and not watch.add([99])  # nothing has come twice yet
+    assert not watch.add(span[:-1]) and watch.add(span[-1:])  # the span completes a second time
+    watch.reset()
+    assert not watch.add(span)
+
+
+def looping_after(hopeless_cycles, probe_on_repeat):
+    """A request whose drafts never pass for ``hopeless_cycles`` cycles (long back-off), after which
+    its output loops over five tokens and every draft passes. Returns the cycles it took in the
+    loop before two full blocks in a row, and the back-off the loop started under."""
+    v = AdaptiveVerifier({"probe_on_repeat": probe_on_repeat})
+    v.begin(10)
+    drive(v, hopeless_cycles, never, SMALL_CPU, draft_s=7.5e-3, k=7, start=10)
+    waiting = v.decisions()["next_probe_in"]
+    widths = drive(v, 300, perfect, SMALL_CPU, draft_s=7.5e-3, k=7, start=10 + hopeless_cycles,
+                   output=itertools.cycle(range(5)))
+    return next(i for i in range(len(widths) - 1) if widths[i] == 7 and widths[i + 1] == 7), waiting
+
+
+def test_output_that_starts_looping_is_probed_soon():
+    found, waiting = looping_after(400, probe_on_repeat=True)
+    assert waiting > 60  # the back-off alone would wait this long
+    assert found <= 20  # a repeated 8-token span after 13 tokens, then a probe and a full block
+    found_without, _ = looping_after(400, probe_on_repeat=False)
+    assert found_without >= waiting - 1
+
+
+def test_repeat_probes_that_fail_stay_within_the_budget():
+    """Output that loops while no draft ever passes: the repeat hint fires again and again, but at
+    most once per budget interval, and the back-off's own probes go on as they would."""
+    v = AdaptiveVerifier({"probe_budget": 0.02, "max_probe_interval": 256})
+    widths = drive(v, 3000, never, FLAT, output=itertools.cycle(range(5)))
+    warm = len(WARMUP)
+    first_plain = next(i for i in range(warm, len(widths)) if widths[i] == 0)
+    hints = [e for e in v.decisions()["events"] if "repeats" in e["reason"]]
+    assert len(hints) >= 10
+    extra = sum(0.3e-3 + FLAT[w] - FLAT[0] for w in widths[first_plain:] if w)
+    assert extra / (len(widths[first_plain:]) * FLAT[0]) < 2 * 0.02 + 0.005  # back-off probes + repeat probes
 
 
 def test_acceptance_that_collapses_and_recovers():

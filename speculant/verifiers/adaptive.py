@@ -77,7 +77,7 @@ class AdaptiveVerifier(Verifier):
         return verification
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
-        action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s)
+        action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s, verification.token_ids)
         self.widths.append(submitted)
         self.actions.append(action)
         limit = self.max_context

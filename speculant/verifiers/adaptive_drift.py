@@ -92,3 +92,31 @@ def moments(pmf: Sequence[float]) -> tuple[float, float]:
     mean = sum(t * q for t, q in enumerate(pmf, start=1))
     square = sum(t * t * q for t, q in enumerate(pmf, start=1))
     return mean, max(square - mean * mean, 0.0)
+
+
+class RepeatWatch:
+    """Notices when a request's committed output repeats an earlier span of itself.
+
+    Small models decoding greedily often fall into loops, and a loop is the easiest text a
+    drafter sees: while speculation is off, a repeat is a free hint that a probe may now pass.
+    A hit is the latest ``SPAN`` tokens equal to ``SPAN`` tokens committed earlier.
+    """
+
+    SPAN = 8
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tail: tuple[int, ...] = ()
+        self.seen: set[tuple[int, ...]] = set()
+
+    def add(self, token_ids: Sequence[int]) -> bool:
+        """Take a cycle's committed tokens; True when one of them completed a repeated span."""
+        hit = False
+        for t in token_ids:
+            self.tail = (self.tail + (int(t),))[-self.SPAN:]
+            if len(self.tail) == self.SPAN:
+                hit = hit or self.tail in self.seen
+                self.seen.add(self.tail)
+        return hit

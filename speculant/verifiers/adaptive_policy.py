@@ -24,7 +24,10 @@ to ``max_probe_interval`` and never below what keeps failing probes within ``pro
 plain-decoding time. A new request in fallback (``probe_each_request``) has its own schedule,
 since one request's content says little about the next: ``request_probes`` single-draft probes,
 the first ``request_probe_delay`` cycles in (a request's first tokens are atypical), then
-``probe_interval`` apart; only then does the back-off apply. With ``request_probe_gap`` = 4,
+``probe_interval`` apart; only then does the back-off apply. Output that starts repeating an
+earlier span of itself (``probe_on_repeat``; small models decoding greedily fall into loops, the
+easiest text to draft) brings the next probe forward to the next cycle, at most once per budget
+interval, and a failed one leaves the back-off's schedule as it was. With ``request_probe_gap`` = 4,
 requests probe every 2nd and then every 4th time while those probes keep failing. While
 speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
 is close to competitive, and every 8 cycles while the plain-step cost at this context length
@@ -48,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_tokens
 from speculant.verifiers.adaptive_cost import CostModel, RunningMean
-from speculant.verifiers.adaptive_drift import DriftDetector, token_distribution
+from speculant.verifiers.adaptive_drift import DriftDetector, RepeatWatch, token_distribution
 
 TRUSTED = RunningMean.TRUSTED
 CHECK_EVERY = 4  # cycles between speculation-vs-plain comparisons unless the margin is thin
@@ -76,6 +79,7 @@ class AdaptiveOptions(BaseModel):
     request_probes: int = Field(2, ge=1, description="single-draft probes a request makes, probe_interval apart, before the global back-off applies")
     request_probe_gap: int = Field(1, ge=1, description="while request-start probes fail, at most this many requests between them")
     refresh_interval: int = Field(64, ge=1, description="speculative cycles between plain-step re-measurements")
+    probe_on_repeat: bool = Field(True, description="probe soon when the output starts repeating itself (at most once per budget interval)")
     request_carryover: float = Field(0.5, ge=0.0, le=1.0, description="share of acceptance evidence a new request keeps")
     warmup: bool = True
     explore_every: int = Field(16, ge=0, description="every n-th speculative cycle decides on optimistic costs (0 = never)")
@@ -118,6 +122,10 @@ class AdaptivePolicy:
         self.requests_waited = 0
         self.request_probe = False  # the current probe was scheduled by a request start
         self.request_probes_left = 0  # request probes still to come in this request
+        self.repeats = RepeatWatch()
+        self.repeat_probe = False  # the current probe was brought forward by repeating output
+        self.resume_countdown = 0  # the back-off's remaining cycles, kept while a repeat probe runs
+        self.since_probe = 0  # cycles since the last probe cycle
         self.since_plain = 0
         self.speculated = 0  # speculative decisions made (schedules exploration)
         self.rate = 0.0
@@ -196,11 +204,14 @@ class AdaptivePolicy:
             self.action = "plain:confidence"
         return best
 
-    def observe(self, submitted: int, accepted: int, timing, verify_s: float) -> str:
-        """Learn from the finished cycle; returns what this cycle was (for the decision log)."""
+    def observe(self, submitted: int, accepted: int, timing, verify_s: float, token_ids: Sequence[int] = ()) -> str:
+        """Learn from the finished cycle (``token_ids``: what it committed); returns what this
+        cycle was (for the decision log)."""
         action = self.action or "plain:short"
         self.action = None
         self.cycle += 1
+        self.since_probe = 0 if action == "probe" else self.since_probe + 1
+        repeating = self.repeats.add(token_ids)
         if timing is not None:
             self.costs.add_target(submitted + 1, timing.context_length, timing.target_s)
             if timing.drafted:
@@ -227,7 +238,18 @@ class AdaptivePolicy:
                 self.mode, self.checks_due = "speculate", 0
         elif self.mode == "probe":
             self._after_probe(submitted, accepted)
+        elif self.mode == "fallback" and repeating and self.o.probe_on_repeat:
+            self._probe_on_repeat()
         return action
+
+    def _probe_on_repeat(self) -> None:
+        """Probe next cycle when the output has started repeating itself, at most once per
+        budget interval (so these probes add at most ``probe_budget`` to the back-off's); the
+        back-off's schedule carries on as before if it fails."""
+        if self.countdown <= 1 or self.since_probe < self.min_interval():
+            return
+        self.repeat_probe, self.resume_countdown, self.countdown = True, self.countdown - 1, 1
+        self._event("fallback", "the output repeats an earlier span: probe next cycle", None)
 
     def _narrow_width(self, k: int, context_length: int) -> int:
         """The widest first probe that costs no more than one draft (within 10 %)."""
@@ -246,7 +268,7 @@ class AdaptivePolicy:
         narrow = self.probe_stage == "narrow" and submitted < self.k
         if accepted == 0:
             self.probe_tries += 1
-            tries = 1 if self.request_probe else self.o.probe_cycles  # a request spreads its tries over its own probes
+            tries = 1 if self.request_probe or self.repeat_probe else self.o.probe_cycles  # a request spreads its tries over its own probes
             if narrow and self.probe_tries < tries:  # the anchor may just have been a bad one
                 return
             what = f"first draft rejected {self.probe_tries} time(s)"
@@ -256,6 +278,7 @@ class AdaptivePolicy:
             # model, now holding the probe's evidence, decides
             if est.spec_rate >= est.plain_rate:
                 self.mode, self.request_gap, self.request_probe, self.checks_due = "speculate", 1, False, 0
+                self.repeat_probe = False
                 self._event("speculate", f"probe: {accepted} draft(s) accepted; speculative {est.spec_rate:.1f} "
                             f"tok/s >= plain {est.plain_rate:.1f} tok/s", est)
                 return
@@ -263,7 +286,10 @@ class AdaptivePolicy:
                 self.probe_stage = "full"
                 return
             what = f"speculative {est.spec_rate:.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
-        if self.request_probe and self.request_probes_left > 0:  # this request's own schedule, not the back-off
+        if self.repeat_probe:  # a hint that did not pay: the back-off carries on where it was
+            self.repeat_probe = False
+            self.mode, self.countdown = "fallback", self.resume_countdown
+        elif self.request_probe and self.request_probes_left > 0:  # this request's own schedule, not the back-off
             self.request_probes_left -= 1
             self.mode, self.countdown = "fallback", self.o.probe_interval
         else:
@@ -299,6 +325,7 @@ class AdaptivePolicy:
         self.checks_due = 0
         self.acceptance.forget(self.o.request_carryover)
         self.drift.reset()
+        self.repeats.reset()
         self.requests_waited += 1
         if self.mode == "fallback" and self.o.probe_each_request and self.requests_waited >= self.request_gap:
             # a new request may be easier (its first tokens are atypical, so not at once); with a
