@@ -26,8 +26,9 @@ since one request's content says little about the next: ``request_probes`` singl
 the first ``request_probe_delay`` cycles in (a request's first tokens are atypical), then
 ``probe_interval`` apart; only then does the back-off apply. Output that starts repeating an
 earlier span of itself (``probe_on_repeat``; small models decoding greedily fall into loops, the
-easiest text to draft) brings the next probe forward to the next cycle, at most once per budget
-interval, and a failed one leaves the back-off's schedule as it was. With ``request_probe_gap`` = 4,
+easiest text to draft) brings the next probe forward to the next cycle, ``probe_interval`` cycles
+after the last probe at the earliest; each failed one doubles that gap for the rest of the request
+and leaves the back-off's schedule as it was. With ``request_probe_gap`` = 4,
 requests probe every 2nd and then every 4th time while those probes keep failing. While
 speculating it re-measures a plain step every ``refresh_interval`` cycles when plain decoding
 is close to competitive, and every 8 cycles while the plain-step cost at this context length
@@ -79,7 +80,7 @@ class AdaptiveOptions(BaseModel):
     request_probes: int = Field(2, ge=1, description="single-draft probes a request makes, probe_interval apart, before the global back-off applies")
     request_probe_gap: int = Field(1, ge=1, description="while request-start probes fail, at most this many requests between them")
     refresh_interval: int = Field(64, ge=1, description="speculative cycles between plain-step re-measurements")
-    probe_on_repeat: bool = Field(True, description="probe soon when the output starts repeating itself (at most once per budget interval)")
+    probe_on_repeat: bool = Field(True, description="probe soon when the output starts repeating itself (failed hints back off per request)")
     request_carryover: float = Field(0.5, ge=0.0, le=1.0, description="share of acceptance evidence a new request keeps")
     warmup: bool = True
     explore_every: int = Field(16, ge=0, description="every n-th speculative cycle decides on optimistic costs (0 = never)")
@@ -126,6 +127,7 @@ class AdaptivePolicy:
         self.repeat_probe = False  # the current probe was brought forward by repeating output
         self.resume_countdown = 0  # the back-off's remaining cycles, kept while a repeat probe runs
         self.since_probe = 0  # cycles since the last probe cycle
+        self.repeat_gap = o.probe_interval  # fewest cycles after a probe before a repeat brings the next one forward
         self.since_plain = 0
         self.speculated = 0  # speculative decisions made (schedules exploration)
         self.rate = 0.0
@@ -243,10 +245,11 @@ class AdaptivePolicy:
         return action
 
     def _probe_on_repeat(self) -> None:
-        """Probe next cycle when the output has started repeating itself, at most once per
-        budget interval (so these probes add at most ``probe_budget`` to the back-off's); the
-        back-off's schedule carries on as before if it fails."""
-        if self.countdown <= 1 or self.since_probe < self.min_interval():
+        """Probe next cycle when the output has started repeating itself, ``repeat_gap`` cycles
+        after the last probe at the earliest. A failed one doubles that gap for the rest of the
+        request (a loop the drafter cannot copy costs a handful of probes per request) and leaves
+        the back-off's schedule as it was."""
+        if self.countdown <= 1 or self.since_probe < self.repeat_gap:
             return
         self.repeat_probe, self.resume_countdown, self.countdown = True, self.countdown - 1, 1
         self._event("fallback", "the output repeats an earlier span: probe next cycle", None)
@@ -288,6 +291,7 @@ class AdaptivePolicy:
             what = f"speculative {est.spec_rate:.1f} tok/s < plain {est.plain_rate:.1f} tok/s"
         if self.repeat_probe:  # a hint that did not pay: the back-off carries on where it was
             self.repeat_probe = False
+            self.repeat_gap = min(2 * self.repeat_gap, self.o.max_probe_interval)
             self.mode, self.countdown = "fallback", self.resume_countdown
         elif self.request_probe and self.request_probes_left > 0:  # this request's own schedule, not the back-off
             self.request_probes_left -= 1
@@ -326,6 +330,7 @@ class AdaptivePolicy:
         self.acceptance.forget(self.o.request_carryover)
         self.drift.reset()
         self.repeats.reset()
+        self.repeat_gap = self.o.probe_interval
         self.requests_waited += 1
         if self.mode == "fallback" and self.o.probe_each_request and self.requests_waited >= self.request_gap:
             # a new request may be easier (its first tokens are atypical, so not at once); with a
