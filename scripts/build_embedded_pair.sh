@@ -5,8 +5,10 @@
 #
 # Every step is seeded and resumable: rerun the script after an interruption and finished steps
 # are skipped, unfinished training resumes from its last checkpoint. On a 2-core CPU the whole run
-# takes about five hours (steps 1-3 about three and a half, the second stage for the block drafters
-# about one and a half: 30 min of generation, 50 min of DFlash, 15 min of DFlash2). The corpus (file list, Python version) is recorded in MANIFEST.json; a
+# takes about seven and a half hours (steps 1-3 about three and a half, the second stage for the block drafters
+# about one and a half: 30 min of generation, 50 min of DFlash, 15 min of DFlash2; the third stage
+# about 40 min; the fourth about one and a half: 27 min of generation, 27 min of DFlash, 40 min of
+# DFlash2). The corpus (file list, Python version) is recorded in MANIFEST.json; a
 # different Python version gives a different corpus and so different weights.
 set -euo pipefail
 
