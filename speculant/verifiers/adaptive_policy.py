@@ -213,7 +213,7 @@ class AdaptivePolicy:
         self.action = None
         self.cycle += 1
         self.since_probe = 0 if action == "probe" else self.since_probe + 1
-        repeating = self.repeats.add(token_ids)
+        repeating = self.o.probe_on_repeat and self.repeats.add(token_ids)  # no bookkeeping when off
         if timing is not None:
             self.costs.add_target(submitted + 1, timing.context_length, timing.target_s)
             if timing.drafted:
@@ -240,7 +240,7 @@ class AdaptivePolicy:
                 self.mode, self.checks_due = "speculate", 0
         elif self.mode == "probe":
             self._after_probe(submitted, accepted)
-        elif self.mode == "fallback" and repeating and self.o.probe_on_repeat:
+        elif self.mode == "fallback" and repeating:
             self._probe_on_repeat()
         return action
 
