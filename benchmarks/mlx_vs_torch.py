@@ -10,20 +10,28 @@ machine hits them alike; medians are reported. ``--reference`` also runs the off
 (needs the reference venv, see tests/reference/harness.py) and prints its speculative/plain
 ratio next to speculant's. The reference runs in this process by default (its ``dflash`` package
 imported from the reference venv onto this interpreter's identical mlx and mlx-lm), so both loops
-run in one process state; ``--reference-subprocess`` runs it in the venv's own interpreter, whose
-process state differs (measured: the same loop ran about 20 % faster there). ``--synced`` adds speculative rows that wait for MLX after every draft
-and target call (``Engine.time_phases``, as the loop did before it overlapped them). Decode tok/s = (new tokens - 1) / time after the first token.
+run in one process state; ``--reference-subprocess`` runs it in the venv's own interpreter instead.
+(The two used to differ by about 20 %: PyTorch's spinning OpenMP workers, which only this process
+has, slowed every MLX run in it. ``OMP_WAIT_POLICY=PASSIVE``, set below, removed that.)
+``--synced`` adds speculative rows that wait for MLX after every draft and target call
+(``Engine.time_phases``, as the loop did before it overlapped them). Decode tok/s = (new tokens - 1) / time after the first token.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# PyTorch's OpenMP workers spin after every op by default. MLX (and its BLAS) then share the two
+# cores with idle spinners: measured here, MLX plain decoding fell from 30 to 24 tok/s and PyTorch
+# (with OpenBLAS preloaded) from 27 to 8. Set before torch is imported, which starts OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build(root: Path, hidden: int, layers: int) -> tuple[Path, Path]:
@@ -130,6 +138,9 @@ def main() -> None:
               f"speculative/plain {ref_ratio:.2f} vs speculant's {ratio(f'mlx dflash b{b}', 'mlx plain'):.2f}")
         ours = statistics.median(rates[f"mlx dflash b{b}"])
         print(f"speculant / reference, speculative decode tok/s: {ours / statistics.median(r[1] for r in refs):.2f}")
+        within = [(s / p) / (r[1] / r[0]) for s, p, r in zip(rates[f"mlx dflash b{b}"], rates["mlx plain"], refs)]
+        print(f"speculant's speculative/plain over the reference's (median over repeats): {statistics.median(within):.2f} "
+              f"(runs: {', '.join(f'{x:.2f}' for x in within)})")
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,22 @@ def test_prompt_files(tmp_path):
         load_workload("x", tmp_path / "missing.jsonl", None)
     with pytest.raises(ConfigError, match="unknown built-in"):
         load_workload("nope", None, None)
+
+
+def test_mlx_cells_ask_pytorch_openmp_workers_to_sleep(monkeypatch):
+    import sys
+
+    from speculant.bench.runner import quiet_openmp
+
+    both = BenchConfig.load({"target": "t", "matrix": {"backends": ["torch:cpu", "mlx"]}})
+    torch_only = BenchConfig.load({"target": "t", "matrix": {"backends": ["torch:cpu"]}})
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert quiet_openmp(torch_only) is None and "OMP_WAIT_POLICY" not in os.environ
+    assert quiet_openmp(both) is None and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setitem(os.environ, "OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice stands
+    assert quiet_openmp(both) is None and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setitem(sys.modules, "torch", object())  # imported already: too late, say so
+    note = quiet_openmp(both)
+    assert "OMP_WAIT_POLICY=PASSIVE" in note and "OMP_WAIT_POLICY" not in os.environ

@@ -16,6 +16,8 @@ are ignored; the cell is measured again from the start.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import uuid
 from contextlib import nullcontext
 from pathlib import Path
@@ -222,6 +224,7 @@ def run_bench(config: BenchConfig | dict | str | Path, *, registry: Any = None, 
     each run record as it is written.
     """
     config = BenchConfig.load(config)
+    openmp_note = quiet_openmp(config)
     if registry is None:
         from speculant.plugins.manager import get_registry
 
@@ -233,6 +236,7 @@ def run_bench(config: BenchConfig | dict | str | Path, *, registry: Any = None, 
                                                              if d.enabled and config.drafter_path(d) is not None})
     fingerprints = {p: C.folder_fingerprint(p) for p in paths}
     cells, notes = expand(config, fingerprints)
+    notes += [openmp_note] if openmp_note else []
     manifest = folder.manifest()
     sessions = manifest.get("sessions", [])
     session = C.collect(fingerprints, config.model_dump(mode="json"))
@@ -269,6 +273,23 @@ def run_bench(config: BenchConfig | dict | str | Path, *, registry: Any = None, 
     if interrupted is not None:
         raise interrupted
     return summary
+
+
+def quiet_openmp(config: BenchConfig) -> str | None:
+    """Ask PyTorch's OpenMP workers to sleep between ops when MLX cells share the process; a note
+    when that came too late.
+
+    They spin by default, and on a small CPU the spinners take the cores MLX runs on: measured
+    on 2 cores, MLX plain decoding ran 20 % slower after a PyTorch cell. OpenMP reads the
+    setting once, when torch is imported.
+    """
+    if not any(b.kind == "mlx" for b in config.matrix.backends) or "OMP_WAIT_POLICY" in os.environ:
+        return None
+    if "torch" in sys.modules:
+        return ("torch was imported before the benchmark started, so its OpenMP workers may spin and slow the "
+                "MLX cells; set OMP_WAIT_POLICY=PASSIVE before starting to avoid that")
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return None
 
 
 def write_reports(config: BenchConfig, folder: OutputFolder, cells: list[Cell], notes: list[str],
