@@ -175,6 +175,8 @@ def test_empty_yaml_reports_the_missing_target(tmp_path):
         ("w4a16:gs64", QuantizationConfig(weight_bits=4, activation_bits=16, group_size=64)),
         ("w8", QuantizationConfig(weight_bits=8, activation_bits=16, group_size=64)),
         ("W4:gs32", QuantizationConfig(weight_bits=4, activation_bits=16, group_size=32)),
+        ("w4:gs32:all", QuantizationConfig(weight_bits=4, activation_bits=16, group_size=32, quantize_all=True)),
+        ("w8:all", QuantizationConfig(weight_bits=8, activation_bits=16, group_size=64, quantize_all=True)),
         ("off", None),
         (None, None),
     ],
@@ -183,7 +185,7 @@ def test_quantization_specs_parse(spec, expected):
     assert parse_quantization(spec) == expected
 
 
-@pytest.mark.parametrize("spec", ["int4", "w4:g64", "wfour", "w4a16:gsx"])
+@pytest.mark.parametrize("spec", ["int4", "w4:g64", "wfour", "w4a16:gsx", "w4:all:gs64", "w4:gs32:gs64"])
 def test_bad_quantization_specs_raise(spec):
     with pytest.raises(ConfigError, match="drafter.quantization"):
         parse_quantization(spec)

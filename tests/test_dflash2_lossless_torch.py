@@ -224,3 +224,18 @@ def test_quantized_draft_stays_lossless_and_keeps_selector_and_convs_float(pair,
         assert type(module.weight) is torch.nn.Parameter
     plain = plain_tokens(engines, PROMPTS["short"], 30, ignore_eos=True)
     assert eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True).token_ids == plain
+
+
+def test_quantize_all_also_quantizes_the_selector_and_convs_and_stays_lossless(pair, engines):
+    pytest.importorskip("torchao")
+    import torch
+
+    eng = speculant.Engine.from_config({
+        "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},
+        "drafter": {"kind": "dflash2", "path": str(pair["dflash2"]),
+                    "quantization": {"weight_bits": 8, "activation_bits": 32, "group_size": 32, "quantize_all": True}}})
+    model = eng.drafter.model
+    for module in (model.layers[0].attention_conv.kernel_projection, model.candidate_selector.hidden_projection):
+        assert type(module.weight) is not torch.nn.Parameter  # a torchao tensor
+    plain = plain_tokens(engines, PROMPTS["short"], 30, ignore_eos=True)
+    assert eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True).token_ids == plain

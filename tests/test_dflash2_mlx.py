@@ -181,3 +181,14 @@ def test_convolution_matches_torch(torch_threads):
     m_fin = m.finish(mx.array(y)[None], m_taps)
     np.testing.assert_allclose(np.array(m_out[0]), t_out.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(m_fin[0]), t_fin.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_all_also_quantizes_the_selector_and_convs_and_stays_lossless(pair):
+    import mlx.nn as nn
+
+    eng = engine("mlx", pair["target"], pair["dflash2"], quantization="w8a32:gs32:all")
+    model = eng.drafter.model
+    assert isinstance(model.layers[0].attention_conv.kernel_projection, nn.QuantizedLinear)
+    assert isinstance(model.candidate_selector.hidden_projection, nn.QuantizedLinear)
+    plain = engine("mlx", pair["target"]).run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True)
+    assert eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True).token_ids == plain.token_ids

@@ -42,6 +42,9 @@ class QuantizationConfig(_Section):
     weight_bits: int | None = None  # None = off; 2 | 4 | 8
     activation_bits: int = 16  # 16 | 32
     group_size: int = 64  # 32 | 64 | 128
+    # Also quantize the layers kept in float by default (DFlash2's selector projection and the
+    # convolution-kernel projections); spec suffix ``:all``. Codebook tables are not layers and stay float.
+    quantize_all: bool = False
 
 
 class DrafterConfig(_Section):
@@ -167,26 +170,25 @@ _QUANT_GROUPS = (32, 64, 128)
 
 
 def parse_quantization(spec: "QuantizationConfig | str | None") -> QuantizationConfig | None:
-    """Parse ``w4a16:gs64``-style specs (also ``w8``, ``w4:gs32``, ``off``)."""
+    """Parse ``w4a16:gs64``-style specs (also ``w8``, ``w4:gs32``, ``w4:gs64:all``, ``off``)."""
     if spec is None or isinstance(spec, QuantizationConfig):
         return spec
     text = spec.strip().lower()
     if text in ("", "off", "none"):
         return None
-    weight, _, group = text.partition(":")
+    weight, *rest = text.split(":")
+    quantize_all = rest[-1:] == ["all"]
+    rest = rest[:-1] if quantize_all else rest
     try:
-        if not weight.startswith("w"):
+        if not weight.startswith("w") or len(rest) > 1 or (rest and not rest[0].startswith("gs")):
             raise ValueError
         wbits, _, abits = weight[1:].partition("a")
-        gs = 64
-        if group:
-            if not group.startswith("gs"):
-                raise ValueError
-            gs = int(group[2:])
-        return QuantizationConfig(weight_bits=int(wbits), activation_bits=int(abits or 16), group_size=gs)
+        gs = int(rest[0][2:]) if rest else 64
+        return QuantizationConfig(weight_bits=int(wbits), activation_bits=int(abits or 16), group_size=gs,
+                                  quantize_all=quantize_all)
     except ValueError:
         raise ConfigError(
-            f"drafter.quantization: cannot parse {spec!r}; expected 'w<bits>[a<bits>][:gs<group>]', e.g. 'w4a16:gs64'"
+            f"drafter.quantization: cannot parse {spec!r}; expected 'w<bits>[a<bits>][:gs<group>][:all]', e.g. 'w4a16:gs64'"
         ) from None
 
 

@@ -6,10 +6,12 @@
 
 MLX quantizes with ``mlx.nn.quantize`` (linear and embedding layers), PyTorch with torchao's
 ``IntxWeightOnlyConfig`` (linear layers; dequantizes on the fly, runs on CPU and CUDA). Modules
-that :func:`default_exclude` names stay in float: DFlash2 selector codebooks and the dynamic
-convolution kernels, whose bilinear/conv math is sensitive to rounding. A drafter can pass its
-own predicate through ``DrafterInfo.extra["quantize_exclude"]`` (a ``path -> bool`` callable
-over module paths such as ``layers.0.attention_conv.kernel_projection``).
+that :func:`default_exclude` names stay in float: DFlash2's selector and the dynamic convolution
+kernels, whose bilinear/conv math is sensitive to rounding. A drafter can pass its own predicate
+through ``DrafterInfo.extra["quantize_exclude"]`` (a ``path -> bool`` callable over module paths
+such as ``layers.0.attention_conv.kernel_projection``). A spec ending in ``:all``
+(``quantize_all``) quantizes those layers too; the selector's codebooks are parameter tables, not
+layers, and stay float even then.
 
 Quantization changes which tokens the draft proposes, never the output: verification is
 against the unquantized target.
@@ -50,7 +52,10 @@ def activation_dtype(q: QuantizationConfig, backend_dtype: str) -> str:
     return "float16" if backend_dtype == "float16" else "bfloat16"
 
 
-def exclude_for(info) -> Exclude:
+def exclude_for(info, q: QuantizationConfig) -> Exclude:
+    """What stays in float: nothing with ``q.quantize_all``, else the drafter's own choice or the default."""
+    if q.quantize_all:
+        return lambda path: False
     extra = getattr(info, "extra", None) or {}
     return extra.get("quantize_exclude") or default_exclude
 
@@ -102,7 +107,7 @@ def check_quantization(config, target, drafter) -> list[Problem]:
     problems = _backend_problems(q, config.backend.kind)
     if config.drafter.path is not None and drafter is not None:
         try:
-            widths = quantized_widths(config.drafter.path, exclude_for(drafter))
+            widths = quantized_widths(config.drafter.path, exclude_for(drafter, q))
         except CheckpointError:
             widths = {}  # the drafter's own checks report unreadable weights
         problem = _group_problem(q, widths)

@@ -282,7 +282,7 @@ def load_mlx_drafter(config, info: DrafterInfo, backend, target) -> MLXDFlashDra
         dtype = getattr(mx, quantization.activation_dtype(q, _dtype_name(backend.dtype)))
     model.set_dtype(dtype)
     if q is not None:
-        quantization.quantize_mlx(model, q, quantization.exclude_for(info))
+        quantization.quantize_mlx(model, q, quantization.exclude_for(info, q))
     model.eval()
     mx.eval(model.parameters())
     return MLXDFlashDrafter(model, info, target, backend, dtype)

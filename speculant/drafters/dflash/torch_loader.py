@@ -46,7 +46,7 @@ def place_and_quantize(model, config, info, backend):
         dtype = getattr(torch, quantization.activation_dtype(q, str(backend.dtype).removeprefix("torch.")))
     model.to(device=backend._device, dtype=dtype).eval().requires_grad_(False)
     if q is not None:
-        quantization.quantize_torch(model, q, quantization.exclude_for(info))
+        quantization.quantize_torch(model, q, quantization.exclude_for(info, q))
     return model
 
 

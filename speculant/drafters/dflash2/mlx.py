@@ -138,7 +138,7 @@ def load_mlx_dflash2(config, info: DrafterInfo, backend, target) -> MLXDFlash2Dr
         dtype = getattr(mx, quantization.activation_dtype(q, str(backend.dtype).rsplit(".", 1)[-1]))
     model.set_dtype(dtype)
     if q is not None:
-        quantization.quantize_mlx(model, q, quantization.exclude_for(info))
+        quantization.quantize_mlx(model, q, quantization.exclude_for(info, q))
     model.eval()
     mx.eval(model.parameters())
     return MLXDFlash2Drafter(model, info, target, backend, dtype)
