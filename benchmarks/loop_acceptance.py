@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-N = 8  # the n-gram length (RepeatWatch's span)
+from speculant.verifiers.adaptive_drift import RepeatWatch
+
+N = RepeatWatch.SPAN  # the adaptive verifier's repeat rule, so "loop" means the same thing there
 
 
 def ngram_hashes(rows: np.ndarray) -> np.ndarray:
@@ -44,18 +46,16 @@ def ngram_hashes(rows: np.ndarray) -> np.ndarray:
 def anchor_classes(sequence: list[int], anchors: list[int], trained: np.ndarray) -> list[str]:
     """The class of each anchor position of ``sequence`` (see the module docstring); ``trained``:
     the sorted unique N-gram hashes of the training sequences."""
+    watch = RepeatWatch()
+    repeats = [watch.add([t]) for t in sequence]  # repeats[a]: the N tokens ending at a occurred earlier
     h = ngram_hashes(np.asarray([sequence]))[0]
-    first_end: dict[int, int] = {}  # N-gram hash -> position of the last token of its first occurrence
-    for j, x in enumerate(h.tolist()):
-        first_end.setdefault(x, j + N - 1)
     classes = []
     for a in anchors:
-        x = int(h[a - N + 1]) if a >= N - 1 else None
-        if x is None or first_end[x] >= a:
+        if not repeats[a]:
             classes.append("other")
-        else:
-            i = np.searchsorted(trained, np.uint64(x))  # ``trained`` is sorted (np.unique)
-            classes.append("known loop" if i < len(trained) and trained[i] == x else "new loop")
+            continue
+        i = np.searchsorted(trained, h[a - N + 1])  # ``trained`` is sorted (np.unique)
+        classes.append("known loop" if i < len(trained) and trained[i] == h[a - N + 1] else "new loop")
     return classes
 
 
