@@ -60,15 +60,21 @@ fi
 [ -f "$WORK/dflash-bf16/model.safetensors" ] || python scripts/package_embedded_pair.py --bf16 "$WORK/dflash" "$WORK/dflash-bf16"
 SEQ2=(--sequences 8192 --prompt-len 64 --response-len 256 --sequences-file "$WORK/sequences-8192.npy" --seed $SEED)
 SHAPE=(--block-size $BLOCK --layers 2 --features 3 --anchors 32 --batch 4)
-[ -f "$WORK/dflash-v2/training.json" ] ||
-  speculant train dflash --target "$WORK/target-bf16" --out "$WORK/dflash-v2" "${SEQ2[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash-bf16" --steps 6000 --lr 6e-4 --checkpoint-every 250 --fp32
+# continued KIND OUT INIT SEQ_ARRAY TRAIN_ARGS...: a block drafter trained on from the draft INIT
+# against the bf16 target, in float32; skipped once OUT has finished (training.json is written last)
+continued() {
+  local kind=$1 out=$2 init=$3
+  local -n sequences=$4
+  shift 4
+  [ -f "$WORK/$out/training.json" ] ||
+    speculant train "$kind" --target "$WORK/target-bf16" --out "$WORK/$out" "${sequences[@]}" "${SHAPE[@]}" \
+      --init-from "$WORK/$init" "$@" --fp32
+}
+continued dflash dflash-v2 dflash-bf16 SEQ2 --steps 6000 --lr 6e-4 --checkpoint-every 250
 
 # DFlash2 starts from that DFlash (identity convolutions, zero successor codebook: it drafts
 # exactly as DFlash does) and fine-tunes backbone, convolutions and selector together
-[ -f "$WORK/dflash2-v2/training.json" ] ||
-  speculant train dflash2 --target "$WORK/target-bf16" --out "$WORK/dflash2-v2" "${SEQ2[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash-v2" --steps 1500 --lr 3e-4 --checkpoint-every 100 --fp32
+continued dflash2 dflash2-v2 dflash-v2 SEQ2 --steps 1500 --lr 3e-4 --checkpoint-every 100
 
 # 5. third stage, on the same sequences with new training seeds (new batches and anchors): DFlash2
 # had seen less than one pass of them in 1500 steps, and its held-out acceptance was still rising
@@ -76,15 +82,9 @@ SHAPE=(--block-size $BLOCK --layers 2 --features 3 --anchors 32 --batch 4)
 # end with equal training (stage 2 + 3: 9500 steps each), in two runs as it was done: 2000 steps
 # (seed 1), then 1500 (seed 2). The later --seed overrides SEQ2's: the sequences are cached, so
 # it seeds only batches and anchors
-[ -f "$WORK/dflash2-v3/training.json" ] ||
-  speculant train dflash2 --target "$WORK/target-bf16" --out "$WORK/dflash2-v3" "${SEQ2[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash2-v2" --steps 2000 --lr 2e-4 --seed 1 --checkpoint-every 250 --fp32
-[ -f "$WORK/dflash-v3/training.json" ] ||
-  speculant train dflash --target "$WORK/target-bf16" --out "$WORK/dflash-v3" "${SEQ2[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash-v2" --steps 2000 --lr 2e-4 --seed 1 --checkpoint-every 250 --fp32
-[ -f "$WORK/dflash-v4/training.json" ] ||
-  speculant train dflash --target "$WORK/target-bf16" --out "$WORK/dflash-v4" "${SEQ2[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash-v3" --steps 1500 --lr 2e-4 --seed 2 --checkpoint-every 250 --fp32
+continued dflash2 dflash2-v3 dflash2-v2 SEQ2 --steps 2000 --lr 2e-4 --seed 1 --checkpoint-every 250
+continued dflash dflash-v3 dflash-v2 SEQ2 --steps 2000 --lr 2e-4 --seed 1 --checkpoint-every 250
+continued dflash dflash-v4 dflash-v3 SEQ2 --steps 1500 --lr 2e-4 --seed 2 --checkpoint-every 250
 
 # 6. fourth stage: new data. On fresh prompts from the training files DFlash accepted as little as on
 # held-out ones (2.72 against 2.80) while it reached 3.79 on its own training sequences, so it had
@@ -93,12 +93,8 @@ SHAPE=(--block-size $BLOCK --layers 2 --features 3 --anchors 32 --batch 4)
 # both block drafters continue on them for 4000 steps (less than half a pass)
 SEQ3=(--sequences 32768 --prompt-len 64 --response-len 128 --sequences-file "$WORK/sequences-32768.npy" --seed 3
       --generate-batch 256)
-[ -f "$WORK/dflash-v5/training.json" ] ||
-  speculant train dflash --target "$WORK/target-bf16" --out "$WORK/dflash-v5" "${SEQ3[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash-v4" --steps 4000 --lr 3e-4 --checkpoint-every 250 --fp32
-[ -f "$WORK/dflash2-v4/training.json" ] ||
-  speculant train dflash2 --target "$WORK/target-bf16" --out "$WORK/dflash2-v4" "${SEQ3[@]}" "${SHAPE[@]}" \
-    --init-from "$WORK/dflash2-v3" --steps 4000 --lr 3e-4 --checkpoint-every 250 --fp32
+continued dflash dflash-v5 dflash-v4 SEQ3 --steps 4000 --lr 3e-4 --checkpoint-every 250
+continued dflash2 dflash2-v4 dflash2-v3 SEQ3 --steps 4000 --lr 3e-4 --checkpoint-every 250
 
 # 7. copy into the package (weights in bfloat16), with checksums, token counts and this recipe
 python scripts/package_embedded_pair.py "$WORK" speculant/embedded/pair dflash=dflash-v5 dflash2=dflash2-v4
