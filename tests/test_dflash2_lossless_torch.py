@@ -24,7 +24,8 @@ def pair(tmp_path_factory, torch_threads):
     wide = build_tiny_dflash2(root / "dflash2_wide", target, seed=11, block_size=8, sliding_window=2048)
     sampling = build_tiny_dflash2(root / "dflash2_sampling", target, seed=7, block_size=8, sliding_window=8,
                                   output_multiplier=0.1)
-    return {"target": target, "dflash2": draft, "dflash2_wide": wide, "dflash2_sampling": sampling}
+    rank32 = build_tiny_dflash2(root / "dflash2_rank32", target, seed=7, block_size=8, sliding_window=8, selector_rank=32)
+    return {"target": target, "dflash2": draft, "dflash2_wide": wide, "dflash2_sampling": sampling, "dflash2_rank32": rank32}
 
 
 def engine(target, draft=None):
@@ -230,12 +231,23 @@ def test_quantize_all_also_quantizes_the_selector_and_convs_and_stays_lossless(p
     pytest.importorskip("torchao")
     import torch
 
+    floating = engine(pair["target"], pair["dflash2_rank32"]).drafter.model.candidate_selector
     eng = speculant.Engine.from_config({
         "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},
-        "drafter": {"kind": "dflash2", "path": str(pair["dflash2"]),
+        "drafter": {"kind": "dflash2", "path": str(pair["dflash2_rank32"]),
                     "quantization": {"weight_bits": 8, "activation_bits": 32, "group_size": 32, "quantize_all": True}}})
     model = eng.drafter.model
-    for module in (model.layers[0].attention_conv.kernel_projection, model.candidate_selector.hidden_projection):
+    selector = model.candidate_selector
+    for module in (model.layers[0].attention_conv.kernel_projection, selector.hidden_projection,
+                   selector.predecessor_codebook, selector.successor_codebook):
         assert type(module.weight) is not torch.nn.Parameter  # a torchao tensor
+    ids = torch.tensor([[3, 9], [0, 40]])
+    for name in ("predecessor_codebook", "successor_codebook"):
+        with torch.no_grad():
+            rows, exact = selector.rows(name, ids), floating.rows(name, ids)
+        assert rows.shape == exact.shape == (2, 2, 32) and not torch.equal(rows, exact)
+        torch.testing.assert_close(rows, exact, rtol=0, atol=0.05 * exact.abs().max().item())  # 8-bit rounding only
+        assert selector.rows(name, torch.zeros(0, 4, dtype=torch.long)).shape == (0, 4, 32)  # a one-token round
+        assert selector.rows(name, 3).shape == (32,)  # the anchor
     plain = plain_tokens(engines, PROMPTS["short"], 30, ignore_eos=True)
     assert eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True).token_ids == plain

@@ -28,6 +28,7 @@ def pair(tmp_path_factory, torch_threads):
         "dflash2": draft,
         "selector": build_tiny_dflash2(root / "selector", target, output_multiplier=0.05, **kwargs),
         "weight": build_tiny_dflash2(root / "weight", target, codebook_suffix=".weight", **kwargs),
+        "rank32": build_tiny_dflash2(root / "rank32", target, selector_rank=32, **kwargs),
     }
 
 
@@ -184,11 +185,38 @@ def test_convolution_matches_torch(torch_threads):
 
 
 def test_quantize_all_also_quantizes_the_selector_and_convs_and_stays_lossless(pair):
+    import mlx.core as mx
     import mlx.nn as nn
 
-    eng = engine("mlx", pair["target"], pair["dflash2"], quantization="w8a32:gs32:all")
+    floating = engine("mlx", pair["target"], pair["rank32"]).drafter.model.candidate_selector
+    eng = engine("mlx", pair["target"], pair["rank32"], quantization="w8a32:gs32:all")
     model = eng.drafter.model
+    selector = model.candidate_selector
     assert isinstance(model.layers[0].attention_conv.kernel_projection, nn.QuantizedLinear)
-    assert isinstance(model.candidate_selector.hidden_projection, nn.QuantizedLinear)
+    assert isinstance(selector.hidden_projection, nn.QuantizedLinear)
+    for name in ("predecessor_codebook", "successor_codebook"):
+        assert isinstance(getattr(selector, name), nn.QuantizedEmbedding)
+        ids = mx.array([[3, 9], [0, 40]])
+        rows, exact = np.array(selector.rows(name, ids)), np.array(floating.rows(name, ids))
+        assert rows.shape == exact.shape == (2, 2, 32) and not np.array_equal(rows, exact)
+        np.testing.assert_allclose(rows, exact, atol=0.05 * np.abs(exact).max())  # 8-bit rounding only
+        assert selector.rows(name, mx.zeros((0, 4), mx.int32)).shape == (0, 4, 32)  # a one-token round
+        assert selector.rows(name, 3).shape == (32,)  # the anchor
     plain = engine("mlx", pair["target"]).run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True)
     assert eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, ignore_eos=True).token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_quantize_all_needs_a_selector_rank_the_group_size_divides(pair, backend):
+    from speculant.core.validator import validate
+
+    def problems(draft, spec):
+        cfg = {"backend": {"kind": backend, "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},
+               "drafter": {"kind": "dflash2", "path": str(draft), "quantization": spec}}
+        return [p for p in validate(cfg).errors if p.field == "drafter.quantization.group_size"]
+
+    if backend == "torch":
+        pytest.importorskip("torchao")
+    [problem] = problems(pair["dflash2"], "w8a32:gs32:all")  # selector_rank 16
+    assert "candidate_selector.predecessor_codebook (16)" in problem.message and "drop ':all'" in problem.fix
+    assert not problems(pair["dflash2"], "w8a32:gs32") and not problems(pair["rank32"], "w8a32:gs32:all")

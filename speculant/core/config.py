@@ -42,8 +42,8 @@ class QuantizationConfig(_Section):
     weight_bits: int | None = None  # None = off; 2 | 4 | 8
     activation_bits: int = 16  # 16 | 32
     group_size: int = 64  # 32 | 64 | 128
-    # Also quantize the layers kept in float by default (DFlash2's selector projection and the
-    # convolution-kernel projections); spec suffix ``:all``. Codebook tables are not layers and stay float.
+    # Also quantize what stays in float by default (DFlash2's selector projection and codebook
+    # tables, the convolution-kernel projections); spec suffix ``:all``.
     quantize_all: bool = False
 
 

@@ -5,13 +5,14 @@
 - activation bits 16: the draft computes in bfloat16 (float16 on a float16 backend); 32: float32.
 
 MLX quantizes with ``mlx.nn.quantize`` (linear and embedding layers), PyTorch with torchao's
-``IntxWeightOnlyConfig`` (linear layers; dequantizes on the fly, runs on CPU and CUDA). Modules
-that :func:`default_exclude` names stay in float: DFlash2's selector and the dynamic convolution
-kernels, whose bilinear/conv math is sensitive to rounding. A drafter can pass its own predicate
-through ``DrafterInfo.extra["quantize_exclude"]`` (a ``path -> bool`` callable over module paths
-such as ``layers.0.attention_conv.kernel_projection``). A spec ending in ``:all``
-(``quantize_all``) quantizes those layers too; the selector's codebooks are parameter tables, not
-layers, and stay float even then.
+``IntxWeightOnlyConfig`` (linear and embedding layers; dequantizes on the fly, runs on CPU and
+CUDA). Modules that :func:`default_exclude` names stay in float: DFlash2's selector and the
+dynamic convolution kernels, whose bilinear/conv math is sensitive to rounding. A drafter can pass
+its own predicate through ``DrafterInfo.extra["quantize_exclude"]`` (a ``path -> bool`` callable
+over module paths such as ``layers.0.attention_conv.kernel_projection``). A spec ending in
+``:all`` (``quantize_all``) quantizes those too, the selector's codebook tables included: the
+drafter holds them as embedding layers first, grouped along the rank, so the rank must be a
+multiple of the group size.
 
 Quantization changes which tokens the draft proposes, never the output: verification is
 against the unquantized target.
@@ -62,13 +63,17 @@ def exclude_for(info, q: QuantizationConfig) -> Exclude:
 
 # -- checks (run by the validator before any weights load) ---------------------------------
 def quantized_widths(folder, exclude: Exclude = default_exclude) -> dict[str, int]:
-    """Input width of every weight matrix that quantization would touch, from safetensors headers."""
+    """Input width of every weight matrix that quantization would touch, from safetensors headers.
+
+    Codebook tables (stored bare or as ``*.weight``) count under their table name: a drafter
+    quantizes them as embeddings, grouped along their last axis, when the exclusion allows.
+    """
     widths = {}
     for name, (dtype, shape) in tensor_inventory(folder).items():
-        if name.endswith(".weight") and len(shape) == 2 and dtype.startswith(("F", "BF")):
-            module = name[: -len(".weight")]
-            if not exclude(module):
-                widths[module] = int(shape[-1])
+        module = name.removesuffix(".weight")
+        is_table = "codebook" in module.rsplit(".", 1)[-1]
+        if (name != module or is_table) and len(shape) == 2 and dtype.startswith(("F", "BF")) and not exclude(module):
+            widths[module] = int(shape[-1])
     return widths
 
 
@@ -106,14 +111,22 @@ def check_quantization(config, target, drafter) -> list[Problem]:
         return []  # off, or out-of-range values the core validator already lists
     problems = _backend_problems(q, config.backend.kind)
     if config.drafter.path is not None and drafter is not None:
-        try:
-            widths = quantized_widths(config.drafter.path, exclude_for(drafter, q))
-        except CheckpointError:
-            widths = {}  # the drafter's own checks report unreadable weights
-        problem = _group_problem(q, widths)
-        if problem is not None:
-            problems.append(problem)
+        problems += _width_problems(config.drafter.path, drafter, q)
     return problems
+
+
+def _width_problems(folder, drafter, q: QuantizationConfig) -> list[Problem]:
+    try:
+        problem = _group_problem(q, quantized_widths(folder, exclude_for(drafter, q)))
+    except CheckpointError:
+        return []  # the drafter's own checks report unreadable weights
+    if problem is None:
+        return []
+    default = exclude_for(drafter, q.model_copy(update={"quantize_all": False}))
+    if q.quantize_all and _group_problem(q, quantized_widths(folder, default)) is None:
+        problem = Problem(problem.field, problem.message, f"{problem.fix}; or drop ':all' (quantize_all) so "
+                          "the selector and convolutions stay in float")
+    return [problem]
 
 
 @hookimpl
@@ -152,7 +165,8 @@ def quantize_mlx(model, q: QuantizationConfig, exclude: Exclude = default_exclud
 
 
 def quantize_torch(model, q: QuantizationConfig, exclude: Exclude = default_exclude) -> list[str]:
-    """Weight-only quantize ``model``'s ``nn.Linear`` layers in place with torchao; returns their paths."""
+    """Weight-only quantize ``model``'s ``nn.Linear`` and ``nn.Embedding`` layers in place with torchao;
+    returns their paths."""
     import logging
 
     import torch
@@ -160,7 +174,7 @@ def quantize_torch(model, q: QuantizationConfig, exclude: Exclude = default_excl
     logging.getLogger("torchao").setLevel(logging.ERROR)  # optional CUDA kernels it cannot load on CPU
     from torchao.quantization import IntxWeightOnlyConfig, PerGroup, quantize_
 
-    chosen = set(_targets(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear), exclude, q.group_size))
+    chosen = set(_targets(model.named_modules(), lambda m: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)), exclude, q.group_size))
     config = IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{q.weight_bits}"), granularity=PerGroup(q.group_size))
     quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
     return sorted(chosen)

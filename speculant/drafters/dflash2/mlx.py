@@ -69,11 +69,30 @@ class DFlash2DecoderLayer(DecoderLayer):
 class CandidateSelector(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
-        rank = cfg.selector_rank
+        self.rank = rank = cfg.selector_rank
         self.top_k = cfg.selector_top_k
         self.hidden_projection = nn.Linear(cfg.hidden_size, rank, bias=False)
         self.predecessor_codebook = mx.zeros((cfg.vocab_size, rank))
         self.successor_codebook = mx.zeros((cfg.vocab_size, rank))
+
+    def codebooks_as_embeddings(self) -> None:
+        """Hold both tables as ``nn.Embedding`` layers so ``mlx.nn.quantize`` can quantize them
+        (a quantized embedding dequantizes only the gathered rows); same values, same lookups."""
+        for name in ("predecessor_codebook", "successor_codebook"):
+            table = getattr(self, name)
+            embedding = nn.Embedding(*table.shape)
+            embedding.weight = table
+            setattr(self, name, embedding)
+
+    def rows(self, name: str, ids: mx.array | int) -> mx.array:
+        """Rows ``ids`` of codebook ``name`` in float32, whether it is a table or an embedding layer."""
+        table = getattr(self, name)
+        if not isinstance(table, nn.Module):
+            return table[ids].astype(mx.float32)
+        ids = mx.array(ids)  # a quantized embedding gathers 1-D and non-empty only: flatten, then restore
+        if ids.size == 0:
+            return mx.zeros((*ids.shape, self.rank), mx.float32)
+        return table(ids.reshape(-1)).reshape(*ids.shape, self.rank).astype(mx.float32)
 
     def score_table(self, hidden: mx.array, logits: mx.array, anchor_id: int) -> tuple[mx.array, mx.array]:
         """Flat float32 scores (row 0 [K], then [k-1, K, K]) and candidate ids [k, K] (int32)."""
@@ -84,10 +103,10 @@ class CandidateSelector(nn.Module):
         candidates = mx.take_along_axis(top, order, axis=-1)  # descending logit, as torch.topk
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         gate = self.hidden_projection(hidden).astype(mx.float32)
-        successors = self.successor_codebook[candidates].astype(mx.float32)  # [k, K, r]
-        anchor = self.predecessor_codebook[anchor_id].astype(mx.float32)
+        successors = self.rows("successor_codebook", candidates)  # [k, K, r]
+        anchor = self.rows("predecessor_codebook", anchor_id)
         first = unary[0] + successors[0] @ (anchor * gate[0])
-        predecessors = self.predecessor_codebook[candidates[:-1]].astype(mx.float32) * gate[1:, None, :]
+        predecessors = self.rows("predecessor_codebook", candidates[:-1]) * gate[1:, None, :]
         pairs = unary[1:, None, :] + predecessors @ successors[1:].transpose(0, 2, 1)
         return mx.concatenate([first, pairs.reshape(-1)]), candidates.astype(mx.int32)
 
@@ -138,6 +157,8 @@ def load_mlx_dflash2(config, info: DrafterInfo, backend, target) -> MLXDFlash2Dr
         dtype = getattr(mx, quantization.activation_dtype(q, str(backend.dtype).rsplit(".", 1)[-1]))
     model.set_dtype(dtype)
     if q is not None:
+        if q.quantize_all:
+            model.candidate_selector.codebooks_as_embeddings()
         quantization.quantize_mlx(model, q, quantization.exclude_for(info, q))
     model.eval()
     mx.eval(model.parameters())

@@ -86,6 +86,21 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, rank))
 
+    def codebooks_as_embeddings(self) -> None:
+        """Hold both tables as ``nn.Embedding`` layers so torchao can quantize them (its quantized
+        embedding dequantizes only the gathered rows); same values, same lookups."""
+        for name in ("predecessor_codebook", "successor_codebook"):
+            table = getattr(self, name)
+            delattr(self, name)
+            setattr(self, name, nn.Embedding.from_pretrained(table.detach(), freeze=True))
+
+    def rows(self, name: str, ids: torch.Tensor | int) -> torch.Tensor:
+        """Rows ``ids`` of codebook ``name`` in float32, whether it is a table or an embedding layer."""
+        table = getattr(self, name)
+        if isinstance(table, nn.Embedding):
+            return table(torch.as_tensor(ids, device=table.weight.device)).float()
+        return table[ids].float()
+
     def score_table(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (flat float32: row 0 [K], then [k-1, K, K]) and candidate ids [k, K].
 
@@ -94,10 +109,10 @@ class CandidateSelector(nn.Module):
         """
         unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)
         gate = self.hidden_projection(hidden).float()  # z_t [k, r]
-        successors = self.successor_codebook[candidates].float()  # B[C_t] [k, K, r]
-        anchor = self.predecessor_codebook[anchor_id].float()  # A[anchor] [r]
+        successors = self.rows("successor_codebook", candidates)  # B[C_t] [k, K, r]
+        anchor = self.rows("predecessor_codebook", anchor_id)  # A[anchor] [r]
         first = unary[0] + successors[0] @ (anchor * gate[0])
-        predecessors = self.predecessor_codebook[candidates[:-1]].float() * gate[1:, None, :]  # [k-1, K, r]
+        predecessors = self.rows("predecessor_codebook", candidates[:-1]) * gate[1:, None, :]  # [k-1, K, r]
         pairs = unary[1:, None, :] + predecessors @ successors[1:].transpose(1, 2)
         return torch.cat([first, pairs.reshape(-1)]), candidates
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from speculant.core.checkpoint import tensor_inventory
 from speculant.core.errors import CheckpointError
+from speculant.drafters import quantization
 from speculant.drafters.dflash.torch_loader import load_into, place_and_quantize
 from speculant.drafters.dflash2.checkpoint import CODEBOOKS, codebook_spelling
 
@@ -17,4 +18,7 @@ def load_torch_dflash2(config, info, backend, target):
         raise CheckpointError("; ".join(str(p) for p in problems))
     model = DFlash2Model(cfg)
     load_into(model, config.path, rename={name + ".weight": name for name in CODEBOOKS})
+    q = quantization.resolve(config.quantization)
+    if q is not None and q.quantize_all:
+        model.candidate_selector.codebooks_as_embeddings()
     return TorchDFlash2Drafter(place_and_quantize(model, config, info, backend), info, target, backend)
