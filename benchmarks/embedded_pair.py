@@ -22,25 +22,29 @@ import json
 import statistics
 
 
-def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8) -> dict[str, object]:
+def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
+            lookups: tuple[bool, ...] = (False,)) -> dict[str, object]:
     import speculant
     from speculant import embedded
 
-    def make(drafter: str | None, verifier: str = "auto", block: int | None = None):
+    def make(drafter: str | None, verifier: str = "auto", block: int | None = None, lookup: bool = False):
         config = embedded.engine_config(drafter, backend=backend)
         config["backend"]["dtype"] = dtype
         config["verifier"] = {"kind": verifier}
         if block:
             config["drafter"]["block_size"] = block
+        if drafter is not None:
+            config["drafter"]["lookup"] = lookup
         return speculant.Engine.from_config(config)
 
     out = {"plain": make(None)}
     for verifier in verifiers:
-        suffix = "" if verifier == "auto" else f"+{verifier}"
-        # the block is set, not left to the drafter's default (DFlash2's is 5 on MLX)
-        out[f"dflash{suffix}"] = make("dflash", verifier, block_size)
-        out[f"dflash2{suffix}"] = make("dflash2", verifier, block_size)
-        out[f"mtp(K=2){suffix}"] = make("mtp", verifier, block=3)
+        for lookup in lookups:
+            suffix = ("" if verifier == "auto" else f"+{verifier}") + ("+lookup" if lookup else "")
+            # the block is set, not left to the drafter's default (DFlash2's is 5 on MLX)
+            out[f"dflash{suffix}"] = make("dflash", verifier, block_size, lookup)
+            out[f"dflash2{suffix}"] = make("dflash2", verifier, block_size, lookup)
+            out[f"mtp(K=2){suffix}"] = make("mtp", verifier, 3, lookup)
     return out
 
 
@@ -60,6 +64,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
     parser.add_argument("--block-size", type=int, default=8, help="runtime block of DFlash and DFlash2 (the trained one is 8)")
     parser.add_argument("--verifiers", default="auto", help="comma-separated verifier kinds to run the drafters with")
+    parser.add_argument("--lookup", action="store_true",
+                        help="also run every drafter with prompt lookup (drafter.lookup = true), side by side")
     parser.add_argument("--json", help="also write the per-prompt results here")
     args = parser.parse_args()
     if args.backend == "torch":
@@ -67,7 +73,8 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    runs = {dtype: engines(args.backend, dtype, args.verifiers.split(","), args.block_size) for dtype in dtypes}
+    lookups = (False, True) if args.lookup else (False,)
+    runs = {dtype: engines(args.backend, dtype, args.verifiers.split(","), args.block_size, lookups) for dtype in dtypes}
     prompts = held_out_prompts(args.prompts)
     for group in runs.values():  # warm-up: first-call costs stay out of the timings
         for engine in group.values():
@@ -79,6 +86,7 @@ def main() -> None:
                 stats = engine.run(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True).stats
                 rows[dtype][name].append({"decode_tokens_per_s": stats.decode_tokens_per_s,
                                           "mean_acceptance_length": stats.mean_acceptance_length,
+                                          "lookup_share": stats.lookup_steps / max(1, stats.verify_steps),
                                           "tokens": list(engine.last_token_ids)})
     for dtype in dtypes:
         report(rows[dtype], args, dtype)
@@ -104,7 +112,7 @@ def report(rows: dict[str, list[dict]], args, dtype: str) -> None:
     print(f"shipped pair, {args.backend} {dtype}, block {args.block_size}, {len(plain)} held-out prompts, "
           f"{args.max_new_tokens} new tokens, greedy")
     print(f"plain decoding: median {statistics.median(r['decode_tokens_per_s'] for r in plain):.1f} tok/s")
-    print(f"{'drafter':<20}{'tau mean':>9}{'tau med':>9}{'tok/s':>9}{'speed-up med':>14}{'same tokens':>13}")
+    print(f"{'drafter':<28}{'tau mean':>9}{'tau med':>9}{'tok/s':>9}{'speed-up med':>14}{'same tokens':>13}{'copies':>8}")
     taus = {}
     for name, runs in rows.items():
         if name == "plain":
@@ -113,9 +121,10 @@ def report(rows: dict[str, list[dict]], args, dtype: str) -> None:
         taus[name] = statistics.mean(tau)
         ratios = [r["decode_tokens_per_s"] / p["decode_tokens_per_s"] for r, p in zip(runs, plain)]
         same = sum(r["tokens"] == p["tokens"] for r, p in zip(runs, plain))
-        print(f"{name:<20}{taus[name]:>9.2f}{statistics.median(tau):>9.2f}"
+        copies = statistics.mean(r["lookup_share"] for r in runs)
+        print(f"{name:<28}{taus[name]:>9.2f}{statistics.median(tau):>9.2f}"
               f"{statistics.median(r['decode_tokens_per_s'] for r in runs):>9.1f}"
-              f"{statistics.median(ratios):>13.2f}x{same:>10}/{len(runs)}")
+              f"{statistics.median(ratios):>13.2f}x{same:>10}/{len(runs)}{copies:>7.0%}")
     if "dflash" in taus and "dflash2" in taus:
         print(f"DFlash2 / DFlash mean acceptance length: {taus['dflash2'] / taus['dflash']:.3f}")
 

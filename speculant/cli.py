@@ -113,6 +113,8 @@ def _add_override_flags(gen: argparse.ArgumentParser) -> None:
     g.add_argument("--device", metavar="DEV", help="auto, cpu, cuda, cuda:N, mps, gpu")
     g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, bfloat16, float16")
     g.add_argument("--verifier", metavar="KIND", help="auto, greedy, speculative_sampling, ...")
+    g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompt lookup: verify copies of what followed earlier occurrences of the last tokens")
 
 
 # -- shared helpers --------------------------------------------------------------------------
@@ -138,6 +140,10 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     drafter = data.get("drafter", {})
     if args.draft and drafter.get("kind") in (None, ""):
         drafter["kind"] = "dflash"
+    if args.lookup is not None:  # keeps min_match / max_match from the config file
+        lookup = drafter.get("lookup")
+        drafter["lookup"] = {**(lookup if isinstance(lookup, dict) else {}), "enabled": args.lookup}
+        data["drafter"] = drafter
     return EngineConfig.load(data)
 
 

@@ -100,6 +100,17 @@ def test_flags_override_the_config_file(tmp_path, monkeypatch):
     assert (config.backend.device, config.backend.dtype, config.verifier.kind) == ("cpu", "float32", "greedy")
 
 
+def test_lookup_flag_switches_prompt_lookup_and_keeps_its_settings(tmp_path, monkeypatch):
+    (tmp_path / "engine.toml").write_text('[target]\npath = "t"\n[drafter]\nkind = "dflash"\npath = "d"\n'
+                                          '[drafter.lookup]\nmin_match = 2\nmax_match = 5\n')
+    monkeypatch.chdir(tmp_path)
+    assert not build_config(parse("--config", "engine.toml")).drafter.lookup.enabled
+    lookup = build_config(parse("--config", "engine.toml", "--lookup")).drafter.lookup
+    assert (lookup.enabled, lookup.min_match, lookup.max_match) == (True, 2, 5)
+    assert build_config(parse("--target", "t", "--draft", "d", "--lookup")).drafter.lookup.enabled
+    assert not build_config(parse("--target", "t", "--draft", "d", "--no-lookup")).drafter.lookup.enabled
+
+
 def test_flags_without_a_config_file():
     config = build_config(parse("--target", "t", "--draft", "d"))
     assert str(config.target.path) == "t" and config.drafter.kind == "dflash"  # --draft implies dflash

@@ -26,8 +26,8 @@ CODE_PROMPT = "import os\n\n\nclass Config:\n    def __init__(self, path):\n    
 TAU_PROMPT = "__all__ = ["
 
 
-def engine(drafter, backend="torch", dtype="float32", verifier=None, **drafter_fields):
-    config = embedded.engine_config(drafter, backend=backend)
+def engine(drafter, backend="torch", dtype="float32", verifier=None, lookup=False, **drafter_fields):
+    config = embedded.engine_config(drafter, backend=backend, lookup=lookup)
     config["backend"].update({"dtype": dtype, "device": "cpu"})
     if verifier is not None:  # the shipped default is adaptive, which decodes plainly where drafts do not pay
         config["verifier"] = {"kind": verifier}
@@ -78,11 +78,21 @@ def test_shipped_pair_is_lossless_on_mlx(drafter, plain_runs):
     assert result.stats.mean_acceptance_length > (2.0 if drafter == "dflash2" else 1.0)
 
 
+def test_the_default_engine_with_prompt_lookup_is_lossless_and_copies_loops(plain_runs):
+    spec, copies = engine("dflash2", verifier="adaptive", lookup=True), 0
+    for prompt, plain in plain_runs.items():
+        result = spec.run(prompt, max_new_tokens=96, ignore_eos=True)
+        assert result.token_ids == plain.token_ids, prompt
+        copies += result.stats.lookup_steps
+    assert copies > 0
+
+
 def test_the_default_engine_is_dflash2_on_the_shipped_pair():
     config = embedded.engine_config()
     assert config["drafter"]["kind"] == "dflash2"
     assert config["verifier"]["kind"] == "adaptive"  # the block drafters pay only on predictable code
     assert config["drafter"]["path"] == str(embedded.PAIR_DIR / "dflash2")
+    assert config["drafter"]["lookup"] is True  # copies where the target loops over its own text
     with pytest.raises(ValueError, match="dflash2, dflash, mtp"):
         embedded.engine_config("medusa")
 
@@ -98,6 +108,14 @@ def test_generate_without_a_config_streams_code_from_the_shipped_pair():
     assert proc.stdout.strip()
     stats = json.loads(proc.stderr.strip().splitlines()[-1])
     assert stats["new_tokens"] <= 40 and stats["verify_steps"] >= 1
+    assert stats["lookup_steps"] <= stats["verify_steps"]
+
+
+def test_generate_no_lookup_turns_the_copies_off():
+    proc = cli("generate", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1, 2, 3]\n", "--max-new-tokens", "40",
+               "--backend", "torch", "--json", "--no-lookup")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stderr.strip().splitlines()[-1])["lookup_steps"] == 0
 
 
 def test_generate_compare_reports_the_speed_up_and_identical_output():

@@ -47,12 +47,34 @@ class QuantizationConfig(_Section):
     quantize_all: bool = False
 
 
+class LookupConfig(_Section):
+    """Prompt lookup: when the context's last ``min_match``..``max_match`` tokens occurred before,
+    verify what followed them there instead of asking the drafter (``drafter.lookup = true``)."""
+
+    enabled: bool = False
+    min_match: int = 4
+    max_match: int = 8
+
+    @field_validator("min_match", "max_match")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+
 class DrafterConfig(_Section):
     kind: str | None = None  # None or "none" = plain decoding
     path: Path | None = None
     block_size: int | None = None  # runtime block (anchor + proposals); None = trained block
     quantization: QuantizationConfig | str | None = None  # e.g. "w4a16:gs64"
+    lookup: LookupConfig = Field(default_factory=LookupConfig)
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("lookup", mode="before")
+    @classmethod
+    def _lookup_switch(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @property
     def enabled(self) -> bool:

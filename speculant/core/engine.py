@@ -12,6 +12,7 @@ import numpy as np
 from speculant.core.config import EngineConfig, GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError, ValidationFailed
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
+from speculant.core.lookup import PromptLookup
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, SamplingParams
@@ -214,6 +215,10 @@ class _Loop:
         self.timed = engine.time_phases or engine.verifier.needs_timings
         self.stats.phases_timed = self.timed
         self.speculating = engine.drafter is not None and (limit is None or len(prompt_ids) < limit)
+        lookup = engine.config.drafter.lookup
+        self.lookup = PromptLookup(lookup.min_match, lookup.max_match) if lookup.enabled and self.speculating else None
+        if self.lookup is not None:
+            self.lookup.reset(prompt_ids)
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
@@ -266,11 +271,15 @@ class _Loop:
             k = min(k, self.window - position - 1)
         draft: Draft | None = None
         draft_s = commit_s = 0.0
-        if self.speculating and k > 0 and e.verifier.wants_draft(k, position):
+        copied = self.lookup.propose(k) if self.lookup is not None and self.speculating and k > 0 else None
+        if copied is not None:
+            draft = Draft(e.backend.int_array(copied), k)
+        elif self.speculating and k > 0 and e.verifier.wants_draft(k, position):
             request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
             draft, draft_s = self._timed(lambda: e.drafter.propose(request), "draft_s")
         drafted = 0 if draft is None else draft.num_tokens
-        n = e.verifier.plan(draft, k, position) if draft is not None else 0
+        # A copy is verified whole and kept out of the verifier's width policy, which models the drafter
+        n = k if copied is not None else e.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
         anchor_arr = e.backend.int_array([anchor])
@@ -282,9 +291,10 @@ class _Loop:
         e.target.crop(position + accepted + 1)
         if self.speculating:
             _, commit_s = self._timed(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
-        e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s))
+        if copied is None:
+            e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s))
         new = self._emit(verification.token_ids)
-        self.stats.record_cycle(n, accepted, len(new))
+        self.stats.record_cycle(n, accepted, len(new), copied=copied is not None)
         return new
 
     def _verify(self, draft, logits):
@@ -305,6 +315,8 @@ class _Loop:
             if self.window is not None and len(self.prompt_ids) + len(self.produced) >= self.window:
                 self._stop_reason = "context_length"
                 break
+        if self.lookup is not None:
+            self.lookup.extend(new)
         return new
 
     def _timed(self, fn, total: str):

@@ -109,7 +109,11 @@ class Backend(ABC):
 
 
 class Drafter(ABC):
-    """Proposes tokens for the target to verify. One instance serves one sequence at a time."""
+    """Proposes tokens for the target to verify. One instance serves one sequence at a time.
+
+    ``commit`` follows every verification, but ``propose`` may be skipped for a cycle (a plain
+    target step, or a prompt-lookup copy): a drafter must take in several commits before its
+    next proposal."""
 
     info: DrafterInfo
 

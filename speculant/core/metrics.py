@@ -16,6 +16,8 @@ PUBLIC_FIELDS = (
     "mean_acceptance_length",
     "per_position_acceptance",
     "verify_steps",
+    "lookup_steps",
+    "lookup_acceptance_length",
     "peak_memory_bytes",
     "stop_reason",
 )
@@ -31,6 +33,8 @@ class GenerationStats:
     new_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     verify_steps: int = 0
+    lookup_steps: int = 0  # cycles that verified a prompt-lookup copy instead of a drafter proposal
+    lookup_emitted: int = 0
     peak_memory_bytes: int | None = None
     stop_reason: str = "unknown"  # eos | stop_token | stop_string | max_new_tokens | context_length | interrupted | error
     submitted_per_position: list[int] = field(default_factory=list)
@@ -61,8 +65,16 @@ class GenerationStats:
         """Rate at which the draft token at block position j+1 was accepted when submitted."""
         return [acc / sub if sub else 0.0 for acc, sub in zip(self.accepted_per_position, self.submitted_per_position)]
 
-    def record_cycle(self, submitted: int, accepted: int, emitted: int) -> None:
+    @property
+    def lookup_acceptance_length(self) -> float:
+        """Mean tokens emitted per prompt-lookup cycle (0 when there were none)."""
+        return self.lookup_emitted / self.lookup_steps if self.lookup_steps else 0.0
+
+    def record_cycle(self, submitted: int, accepted: int, emitted: int, copied: bool = False) -> None:
         self.verify_steps += 1
+        if copied:
+            self.lookup_steps += 1
+            self.lookup_emitted += emitted
         self.acceptance_lengths.append(emitted)
         while len(self.submitted_per_position) < submitted:
             self.submitted_per_position.append(0)
@@ -94,5 +106,11 @@ class GenerationStats:
         tau = f", mean acceptance length {self.mean_acceptance_length:.2f}" if self.acceptance_lengths else ""
         return (
             f"{self.new_tokens} tokens, TTFT {self.ttft_s * 1000:.0f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
-            f"decode {self.decode_tokens_per_s:.1f} tok/s{tau}, {self.verify_steps} verify steps, stop: {self.stop_reason}"
+            f"decode {self.decode_tokens_per_s:.1f} tok/s{tau}, {self.verify_steps} verify steps{self._lookup_text()}, "
+            f"stop: {self.stop_reason}"
         )
+
+    def _lookup_text(self) -> str:
+        if not self.lookup_steps:
+            return ""
+        return f" ({self.lookup_steps} copies by prompt lookup, {self.lookup_acceptance_length:.2f} tokens each)"

@@ -13,7 +13,7 @@ from typing import Any
 
 from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, parse_quantization
 from speculant.core.errors import ConfigError
-from speculant.core.types import DrafterInfo, TargetInfo
+from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,9 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
         except Exception as exc:
             add(Problem("drafter.options", f"invalid options for {d.kind}: {exc}", "see the drafter's documentation"))
     _check_quantization(config, add)
+    if d.lookup.enabled and d.lookup.min_match > d.lookup.max_match:
+        add(Problem("drafter.lookup.min_match", f"min_match {d.lookup.min_match} exceeds max_match {d.lookup.max_match}",
+                    "set drafter.lookup.min_match <= drafter.lookup.max_match"))
     if target is None:
         return None
     info, problems = factory.describe(d, target, config.backend.kind)
@@ -235,6 +238,9 @@ def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, registry,
     if config.sampling.temperature > 0 and not cls.supports_sampling:
         add(Problem("verifier.kind", f"the {kind} verifier only supports greedy decoding but sampling.temperature is {config.sampling.temperature}",
                     "set verifier.kind = 'speculative_sampling' (or 'auto'), or sampling.temperature = 0"))
+    if config.drafter.enabled and config.drafter.lookup.enabled and ProposalKind.ONE_HOT not in cls.accepts:
+        add(Problem("drafter.lookup", f"prompt lookup proposes one-hot copies, which the {kind} verifier does not accept",
+                    "turn drafter.lookup off, or use verifier.kind 'auto'"))
     if drafter is not None:
         wanted = [k for k in drafter.proposal_kinds if k not in cls.accepts]
         if wanted and config.sampling.temperature > 0:

@@ -1,0 +1,159 @@
+"""Prompt lookup (``drafter.lookup``): copies of what followed an earlier occurrence of the
+context's last tokens, verified by the target instead of a drafter proposal.
+
+Unit level: what is copied (longest match, latest occurrence, loops continued past the end).
+Engine level: greedy output equals plain decoding on PyTorch and MLX with the drafter skipped on
+copy cycles; at temperature 1 the first two tokens follow the target's exact law when the
+second comes from verifying a copy; config and validator errors name the field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import speculant
+from speculant.core.config import ConfigError, EngineConfig
+from speculant.core.lookup import PromptLookup
+from speculant.core.validator import validate
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+
+def lookup(history, min_match=2, max_match=4):
+    p = PromptLookup(min_match, max_match)
+    p.reset(history)
+    return p
+
+
+def test_copies_what_followed_the_latest_earlier_occurrence():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]).propose(3) == [8, 1, 2]
+    assert lookup([1, 2, 3]).propose(3) is None  # no suffix occurred before
+    assert lookup([5, 1, 2, 5, 1, 2]).propose(0) is None
+
+
+def test_the_longest_matching_suffix_wins():
+    # the 2-gram (3, 4) last occurred before 7, but the 3-gram (2, 3, 4) only before 6
+    history = [2, 3, 4, 6, 0, 3, 4, 7, 0, 2, 3, 4]
+    assert lookup(history, 2, 3).propose(1) == [6]
+    assert lookup(history, 2, 2).propose(1) == [7]
+
+
+def test_a_loop_continues_past_the_end_of_the_history():
+    assert lookup([9, 4, 5, 6, 4, 5, 6]).propose(7) == [4, 5, 6, 4, 5, 6, 4]
+    assert lookup([3, 3, 3], 1, 2).propose(4) == [3, 3, 3, 3]
+
+
+def test_extend_keeps_the_index_current():
+    p = lookup([1, 2, 3])
+    p.extend([1, 2])
+    assert p.propose(2) == [3, 1]
+    p.reset([7, 8])
+    assert p.history == [7, 8] and p.propose(2) is None
+    with pytest.raises(ValueError, match="min_match <= max_match"):
+        PromptLookup(5, 3)
+
+
+# -- engine ------------------------------------------------------------------------------------
+PROMPTS = {"short": [5, 6, 7], "repeats": [11, 12, 13, 14] * 4, "longer_than_window": list(range(20, 52))}
+
+
+def config(kind, pair, drafter="draft", lookup=True, **extra):
+    data = {"backend": {"kind": kind, "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])}}
+    if drafter is not None:
+        data["drafter"] = {"kind": "dflash", "path": str(pair[drafter]), "lookup": lookup}
+    return {**data, **extra}
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_greedy_output_is_unchanged_and_copies_are_verified(planted_pair, kind, block_size):
+    if kind == "mlx":
+        pytest.importorskip("mlx_lm")
+    plain = speculant.Engine.from_config(config(kind, planted_pair, drafter=None))
+    spec = speculant.Engine.from_config(config(kind, planted_pair))
+    copies = 0
+    for name, ids in PROMPTS.items():
+        expected = plain.run(prompt_ids=ids, max_new_tokens=48, ignore_eos=True).token_ids
+        result = spec.run(prompt_ids=ids, max_new_tokens=48, block_size=block_size, ignore_eos=True)
+        assert result.token_ids == expected, name
+        stats = result.stats
+        assert stats.new_tokens == 48 == 1 + sum(stats.acceptance_lengths)
+        assert 0 <= stats.lookup_steps <= stats.verify_steps
+        copies += stats.lookup_steps
+    assert copies > 0  # the repeating prompt alone guarantees copies
+
+
+def test_drafter_proposals_are_skipped_on_copy_cycles_and_stay_in_step(planted_pair):
+    """The drafter is not asked on copy cycles but still commits them; its later proposals are
+    as good as without lookup (its context is complete), and the copies beat it on the loop."""
+    with_lookup = speculant.Engine.from_config(config("torch", planted_pair))
+    without = speculant.Engine.from_config(config("torch", planted_pair, lookup=False))
+    asked = []
+    propose = with_lookup.drafter.propose
+    with_lookup.drafter.propose = lambda request: asked.append(request.position) or propose(request)
+    result = with_lookup.run(prompt_ids=PROMPTS["repeats"], max_new_tokens=64, ignore_eos=True)
+    baseline = without.run(prompt_ids=PROMPTS["repeats"], max_new_tokens=64, ignore_eos=True)
+    stats = result.stats
+    assert result.token_ids == baseline.token_ids
+    assert stats.lookup_steps > 0 and not set(asked) & copy_positions(result, PROMPTS["repeats"])
+    # every cycle is a copy or a proposal, except a last one-token step (no room to draft)
+    assert stats.verify_steps - 1 <= len(asked) + stats.lookup_steps <= stats.verify_steps
+    assert stats.mean_acceptance_length >= baseline.stats.mean_acceptance_length
+
+
+def copy_positions(result, prompt) -> set[int]:
+    """Anchor positions of the cycles whose context suffix had occurred before (min_match 4)."""
+    p, positions, position = PromptLookup(4, 8), set(), len(prompt)
+    p.reset(prompt + result.token_ids[:1])
+    for emitted in result.stats.acceptance_lengths:
+        if p.propose(1) is not None:
+            positions.add(position)
+        new = result.token_ids[position - len(prompt) + 1: position - len(prompt) + 1 + emitted]
+        p.extend(new)
+        position += emitted
+    return positions
+
+
+def test_sampling_follows_the_target_when_a_copy_is_verified(planted_pair):
+    """Every token of the vocabulary is in the prompt, so with one-token matches the first
+    cycle after any first token verifies a copy; the first two tokens of many seeded runs must
+    follow the target's two-token law (chi-square), as without lookup."""
+    from speculant.core.types import SamplingParams
+    from speculant.verifiers.processing import target_probs
+
+    data = config("torch", planted_pair, sampling={"temperature": 1.0, "top_k": 3})
+    data["drafter"]["lookup"] = {"enabled": True, "min_match": 1, "max_match": 2}
+    eng = speculant.Engine.from_config(data)
+    vocab = eng.target.info.vocab_size
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+    ops, prompt = eng.backend.ops, list(range(vocab)) + [160, 160, 5]
+
+    def next_probs(ids):
+        eng.target.reset()
+        logits = eng.target.prefill(ids).logits[-1:]
+        return ops.to_numpy(target_probs(ops, logits, sampling))[0].astype(np.float64)
+
+    first = next_probs(prompt)
+    joint = {(a, b): first[a] * p for a in np.flatnonzero(first > 0)
+             for b, p in enumerate(next_probs(prompt + [int(a)])) if p > 0}
+    runs, seen = 400, []
+    for seed in range(runs):
+        result = eng.run(prompt_ids=prompt, max_new_tokens=3, seed=seed, ignore_eos=True)
+        assert result.stats.lookup_steps >= 1
+        seen.append(tuple(result.token_ids[:2]))
+    cells = sorted(joint)
+    observed = np.array([seen.count(c) for c in cells], dtype=float)
+    assert observed.sum() == runs  # nothing outside the target's support
+    expected = np.array([joint[c] for c in cells])
+    assert scipy_stats.chisquare(observed, expected / expected.sum() * runs).pvalue > 1e-3
+
+
+def test_lookup_config_switch_and_errors(planted_pair):
+    assert EngineConfig.load(config("torch", planted_pair, lookup=True)).drafter.lookup.enabled
+    assert not EngineConfig.load(config("torch", planted_pair, lookup=False)).drafter.lookup.enabled
+    with pytest.raises(ConfigError, match="drafter.lookup.min_match"):
+        EngineConfig.load(config("torch", planted_pair, lookup={"enabled": True, "min_match": 0}))
+    report = validate(config("torch", planted_pair, lookup={"enabled": True, "min_match": 6, "max_match": 3}))
+    [problem] = [p for p in report.errors if p.field == "drafter.lookup.min_match"]
+    assert "exceeds max_match 3" in problem.message and "<=" in problem.fix
