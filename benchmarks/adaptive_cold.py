@@ -35,12 +35,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = held_out_prompts(args.prompts)
-    speculant.Engine.from_config(embedded.engine_config("dflash2")).run(prompt_ids=prompts[0], max_new_tokens=16)  # process warm-up
+    speculant.Engine.from_config(embedded.engine_config("dflash2", lookup=False)).run(prompt_ids=prompts[0], max_new_tokens=16)  # process warm-up
     rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(args.repeats):
         for prompt in prompts:
             for name, verifier in VARIANTS.items():
-                config = embedded.engine_config(None if verifier is None else "dflash2")
+                config = embedded.engine_config(None if verifier is None else "dflash2", lookup=False)
                 if verifier is not None:
                     config["verifier"] = verifier
                 engine = speculant.Engine.from_config(config)

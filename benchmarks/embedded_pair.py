@@ -28,13 +28,11 @@ def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
     from speculant import embedded
 
     def make(drafter: str | None, verifier: str = "auto", block: int | None = None, lookup: bool = False):
-        config = embedded.engine_config(drafter, backend=backend)
+        config = embedded.engine_config(drafter, backend=backend, lookup=lookup)  # the shipped lookup settings
         config["backend"]["dtype"] = dtype
         config["verifier"] = {"kind": verifier}
         if block:
             config["drafter"]["block_size"] = block
-        if drafter is not None:
-            config["drafter"]["lookup"] = lookup
         return speculant.Engine.from_config(config)
 
     out = {"plain": make(None)}
@@ -65,7 +63,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=8, help="runtime block of DFlash and DFlash2 (the trained one is 8)")
     parser.add_argument("--verifiers", default="auto", help="comma-separated verifier kinds to run the drafters with")
     parser.add_argument("--lookup", action="store_true",
-                        help="also run every drafter with prompt lookup (drafter.lookup = true), side by side")
+                        help="also run every drafter with prompt lookup (the shipped pair's settings), side by side")
     parser.add_argument("--json", help="also write the per-prompt results here")
     args = parser.parse_args()
     if args.backend == "torch":

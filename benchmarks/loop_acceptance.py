@@ -63,7 +63,7 @@ def engine(kind: str, path: str | None):
     import speculant
     from speculant import embedded
 
-    config = embedded.engine_config(kind, backend="torch")
+    config = embedded.engine_config(kind, backend="torch", lookup=False)  # the drafter's own proposals
     config["backend"]["dtype"] = "float32"
     config["verifier"] = {"kind": "auto"}
     config["drafter"]["block_size"] = 3 if kind == "mtp" else 8

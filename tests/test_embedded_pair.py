@@ -92,7 +92,7 @@ def test_the_default_engine_is_dflash2_on_the_shipped_pair():
     assert config["drafter"]["kind"] == "dflash2"
     assert config["verifier"]["kind"] == "adaptive"  # the block drafters pay only on predictable code
     assert config["drafter"]["path"] == str(embedded.PAIR_DIR / "dflash2")
-    assert config["drafter"]["lookup"] is True  # copies where the target loops over its own text
+    assert config["drafter"]["lookup"]["enabled"] is True  # copies where the target loops over its own text
     with pytest.raises(ValueError, match="dflash2, dflash, mtp"):
         embedded.engine_config("medusa")
 

@@ -19,8 +19,10 @@ DEFAULT_DRAFTER = "dflash2"
 # drafters pay only on predictable code, and the adaptive verifier keeps the rest at plain speed.
 DEFAULT_VERIFIER = "adaptive"
 # The shipped target often loops over text of its own invention, which no drafter predicts
-# but the context holds: copies from it (drafter.lookup) lifted DFlash2's speed-up most there.
+# but the context holds: copies from it (drafter.lookup) lifted DFlash2's speed-up most there,
+# and most with one-token matches (benchmarks/embedded_pair.py --lookup; README).
 DEFAULT_LOOKUP = True
+LOOKUP_MIN_MATCH = 1
 
 
 def available() -> bool:
@@ -55,7 +57,8 @@ def engine_config(drafter: str | None = DEFAULT_DRAFTER, backend: str | None = N
     if drafter in (None, "none"):
         config["drafter"] = {"kind": "none"}
     elif drafter in DRAFTERS:
-        config["drafter"] = {"kind": drafter, "path": str(PAIR_DIR / drafter), "lookup": lookup}
+        config["drafter"] = {"kind": drafter, "path": str(PAIR_DIR / drafter),
+                             "lookup": {"enabled": lookup, "min_match": LOOKUP_MIN_MATCH, "max_match": 8}}
     else:
         raise ValueError(f"the shipped pair has drafters {', '.join(DRAFTERS)} (or none); got {drafter!r}")
     return config

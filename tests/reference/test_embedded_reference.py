@@ -20,7 +20,7 @@ def test_reference_loads_the_shipped_dflash_draft_with_every_key(reference_venv)
 
 
 def test_reference_loop_matches_speculant_on_the_shipped_pair(reference_venv):
-    config = embedded.engine_config("dflash", backend="torch")
+    config = embedded.engine_config("dflash", backend="torch", lookup=False)  # the reference has no prompt lookup
     config["backend"].update({"dtype": "float32", "device": "cpu"})
     config["verifier"] = {"kind": "greedy"}  # a full block every cycle, as the reference loop does
     engine = speculant.Engine.from_config(config)
