@@ -29,6 +29,8 @@ def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
 
     def make(drafter: str | None, verifier: str = "auto", block: int | None = None, lookup: bool = False):
         config = embedded.engine_config(drafter, backend=backend, lookup=lookup)  # the shipped lookup settings
+        if drafter is None and lookup:
+            config["drafter"] = {"lookup": {"enabled": True, "min_match": embedded.LOOKUP_MIN_MATCH, "max_match": 8}}
         config["backend"]["dtype"] = dtype
         config["verifier"] = {"kind": verifier}
         if block:
@@ -36,6 +38,8 @@ def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
         return speculant.Engine.from_config(config)
 
     out = {"plain": make(None)}
+    if True in lookups:  # prompt-lookup decoding alone: copies where something matches, plain steps elsewhere
+        out["lookup only"] = make(None, block=block_size, lookup=True)
     for verifier in verifiers:
         for lookup in lookups:
             suffix = ("" if verifier == "auto" else f"+{verifier}") + ("+lookup" if lookup else "")

@@ -199,8 +199,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = apply_chat_template(engine.tokenizer, prompt, args.system, args.thinking)
     # a rendered chat template already holds the special tokens it needs
     if args.compare:
-        if engine.drafter is None:
-            raise UsageError("--compare needs a drafter (it compares speculative with plain decoding)")
+        if not engine.speculative:
+            raise UsageError("--compare needs a drafter or --lookup (it compares speculative with plain decoding)")
         warm_up(engine, prompt, not args.chat)
     stats = stream(engine, prompt, add_special_tokens=not args.chat)
     if stats is not None:

@@ -84,6 +84,28 @@ def test_greedy_output_is_unchanged_and_copies_are_verified(planted_pair, kind, 
     assert copies > 0  # the repeating prompt alone guarantees copies
 
 
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_lookup_without_a_drafter_is_prompt_lookup_decoding(planted_pair, kind):
+    if kind == "mlx":
+        pytest.importorskip("mlx_lm")
+    plain = speculant.Engine.from_config(config(kind, planted_pair, drafter=None))
+    data = config(kind, planted_pair, drafter=None)
+    data["drafter"] = {"lookup": True, "block_size": 6}
+    copying = speculant.Engine.from_config(data)
+    assert copying.drafter is None and copying.speculative and copying.block_size == 6
+    for name, ids in PROMPTS.items():
+        expected = plain.run(prompt_ids=ids, max_new_tokens=48, ignore_eos=True).token_ids
+        result = copying.run(prompt_ids=ids, max_new_tokens=48, ignore_eos=True)
+        assert result.token_ids == expected, name
+        stats = result.stats
+        assert stats.new_tokens == 48 == 1 + sum(stats.acceptance_lengths)
+        # a cycle without a match is a plain step (one token); a copy emits up to the block
+        assert all(a == 1 for a in stats.acceptance_lengths) or stats.lookup_steps > 0
+        assert max(stats.acceptance_lengths) <= 6
+        if name == "repeats":
+            assert stats.lookup_steps > 0 and stats.verify_steps < 47
+
+
 def test_drafter_proposals_are_skipped_on_copy_cycles_and_stay_in_step(planted_pair):
     """The drafter is not asked on copy cycles but still commits them; its later proposals are
     as good as without lookup (its context is complete), and the copies beat it on the loop."""
@@ -157,3 +179,7 @@ def test_lookup_config_switch_and_errors(planted_pair):
     report = validate(config("torch", planted_pair, lookup={"enabled": True, "min_match": 6, "max_match": 3}))
     [problem] = [p for p in report.errors if p.field == "drafter.lookup.min_match"]
     assert "exceeds max_match 3" in problem.message and "<=" in problem.fix
+    alone = config("torch", planted_pair, drafter=None)
+    alone["drafter"] = {"lookup": True, "block_size": 1}
+    [problem] = validate(alone).errors
+    assert problem.field == "drafter.block_size" and "copied" in problem.message

@@ -12,7 +12,7 @@ import numpy as np
 from speculant.core.config import EngineConfig, GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError, ValidationFailed
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
-from speculant.core.lookup import PromptLookup
+from speculant.core.lookup import DEFAULT_BLOCK_SIZE as LOOKUP_BLOCK_SIZE, PromptLookup
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, SamplingParams
@@ -83,9 +83,14 @@ class Engine:
         return engine
 
     @property
+    def speculative(self) -> bool:
+        """True when cycles may verify proposals: a drafter, prompt lookup, or both."""
+        return self.drafter is not None or self.config.drafter.lookup.enabled
+
+    @property
     def block_size(self) -> int:
         if self.drafter is None:
-            return 1
+            return (self.config.drafter.block_size or LOOKUP_BLOCK_SIZE) if self.speculative else 1
         info = self.drafter.info
         return self.config.drafter.block_size or info.default_block_size or info.trained_block_size or 2
 
@@ -154,8 +159,8 @@ class Engine:
         sampling = SamplingConfig.model_validate(sampling_data)
         generation = GenerationConfig.model_validate(generation_data)
         limit = None if self.drafter is None else self.drafter.info.block_limit
-        if self.drafter is not None and not 2 <= block <= (limit or block):
-            raise ValueError(f"block_size {block} is outside 2..{limit}")
+        if self.speculative and not 2 <= block <= (limit or block):
+            raise ValueError(f"block_size {block} is outside 2..{limit or 'any'}")
         return sampling, generation, block
 
     def _stop_ids(self, generation: GenerationConfig) -> set[int]:
@@ -214,9 +219,10 @@ class _Loop:
         self.limit = limit
         self.timed = engine.time_phases or engine.verifier.needs_timings
         self.stats.phases_timed = self.timed
-        self.speculating = engine.drafter is not None and (limit is None or len(prompt_ids) < limit)
+        within = limit is None or len(prompt_ids) < limit
+        self.speculating = engine.drafter is not None and within
         lookup = engine.config.drafter.lookup
-        self.lookup = PromptLookup(lookup.min_match, lookup.max_match) if lookup.enabled and self.speculating else None
+        self.lookup = PromptLookup(lookup.min_match, lookup.max_match) if lookup.enabled and within else None
         if self.lookup is not None:
             self.lookup.reset(prompt_ids)
         window = engine.target.info.max_position_embeddings
@@ -263,15 +269,16 @@ class _Loop:
 
     def _cycle(self, position: int, anchor: int) -> list[int]:
         e = self.e
-        if self.speculating and self.limit is not None and position >= self.limit:
+        if self.limit is not None and position >= self.limit:
             self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
+            self.lookup = None
         remaining = self.max_new - len(self.produced)
         k = min(self.block - 1, remaining - 1)
         if self.window is not None:
             k = min(k, self.window - position - 1)
         draft: Draft | None = None
         draft_s = commit_s = 0.0
-        copied = self.lookup.propose(k) if self.lookup is not None and self.speculating and k > 0 else None
+        copied = self.lookup.propose(k) if self.lookup is not None and k > 0 else None
         if copied is not None:
             draft = Draft(e.backend.int_array(copied), k)
         elif self.speculating and k > 0 and e.verifier.wants_draft(k, position):

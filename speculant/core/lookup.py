@@ -4,11 +4,14 @@ last n tokens (n from ``max_match`` down to ``min_match``), as prompt-lookup dec
 Small models decoding greedily fall into loops of text they made up; a trained drafter cannot
 predict those, but the context holds them. A copy costs no forward, and verification stays the
 target's, so output is unchanged. Host-side and backend-neutral: token ids in, token ids out.
+With no drafter configured it is prompt-lookup decoding on its own: plain steps where nothing matches.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+DEFAULT_BLOCK_SIZE = 8  # verify width (anchor + copies) when lookup runs without a drafter
 
 
 class PromptLookup:

@@ -123,6 +123,7 @@ def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> 
     drafter_info = None
     if config.drafter.enabled:
         drafter_info = _check_drafter(config, target, registry, add)
+    _check_lookup(config, add)
     report.drafter = drafter_info
     _check_verifier(config, drafter_info, registry, add)
     if target is not None:
@@ -173,9 +174,6 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
         except Exception as exc:
             add(Problem("drafter.options", f"invalid options for {d.kind}: {exc}", "see the drafter's documentation"))
     _check_quantization(config, add)
-    if d.lookup.enabled and d.lookup.min_match > d.lookup.max_match:
-        add(Problem("drafter.lookup.min_match", f"min_match {d.lookup.min_match} exceeds max_match {d.lookup.max_match}",
-                    "set drafter.lookup.min_match <= drafter.lookup.max_match"))
     if target is None:
         return None
     info, problems = factory.describe(d, target, config.backend.kind)
@@ -212,6 +210,18 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
     return info
 
 
+def _check_lookup(config: EngineConfig, add) -> None:
+    d = config.drafter
+    if not d.lookup.enabled:
+        return
+    if d.lookup.min_match > d.lookup.max_match:
+        add(Problem("drafter.lookup.min_match", f"min_match {d.lookup.min_match} exceeds max_match {d.lookup.max_match}",
+                    "set drafter.lookup.min_match <= drafter.lookup.max_match"))
+    if not d.enabled and d.block_size is not None and d.block_size < 2:
+        add(Problem("drafter.block_size", f"{d.block_size} is below 2 (one anchor plus at least one copied token)",
+                    "use a block size of at least 2"))
+
+
 def _check_quantization(config: EngineConfig, add) -> None:
     try:
         q = parse_quantization(config.drafter.quantization)
@@ -238,7 +248,7 @@ def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, registry,
     if config.sampling.temperature > 0 and not cls.supports_sampling:
         add(Problem("verifier.kind", f"the {kind} verifier only supports greedy decoding but sampling.temperature is {config.sampling.temperature}",
                     "set verifier.kind = 'speculative_sampling' (or 'auto'), or sampling.temperature = 0"))
-    if config.drafter.enabled and config.drafter.lookup.enabled and ProposalKind.ONE_HOT not in cls.accepts:
+    if config.drafter.lookup.enabled and ProposalKind.ONE_HOT not in cls.accepts:
         add(Problem("drafter.lookup", f"prompt lookup proposes one-hot copies, which the {kind} verifier does not accept",
                     "turn drafter.lookup off, or use verifier.kind 'auto'"))
     if drafter is not None:
