@@ -17,8 +17,6 @@ from speculant.core.config import ConfigError, EngineConfig
 from speculant.core.lookup import PromptLookup
 from speculant.core.validator import validate
 
-scipy_stats = pytest.importorskip("scipy.stats")
-
 
 def lookup(history, min_match=2, max_match=4):
     p = PromptLookup(min_match, max_match)
@@ -143,6 +141,8 @@ def test_sampling_follows_the_target_when_a_copy_is_verified(planted_pair):
     follow the target's two-token law (chi-square), as without lookup."""
     from speculant.core.types import SamplingParams
     from speculant.verifiers.processing import target_probs
+
+    scipy_stats = pytest.importorskip("scipy.stats")
 
     data = config("torch", planted_pair, sampling={"temperature": 1.0, "top_k": 3})
     data["drafter"]["lookup"] = {"enabled": True, "min_match": 1, "max_match": 2}
