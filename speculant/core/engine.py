@@ -222,9 +222,7 @@ class _Loop:
         within = limit is None or len(prompt_ids) < limit
         self.speculating = engine.drafter is not None and within
         lookup = engine.config.drafter.lookup
-        self.lookup = PromptLookup(lookup.min_match, lookup.max_match) if lookup.enabled and within else None
-        if self.lookup is not None:
-            self.lookup.reset(prompt_ids)
+        self.lookup = PromptLookup(lookup.min_match, lookup.max_match, prompt_ids) if lookup.enabled and within else None
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
@@ -285,8 +283,10 @@ class _Loop:
             request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
             draft, draft_s = self._timed(lambda: e.drafter.propose(request), "draft_s")
         drafted = 0 if draft is None else draft.num_tokens
-        # A copy is verified whole and kept out of the verifier's width policy, which models the drafter
-        n = k if copied is not None else e.verifier.plan(draft, k, position) if draft is not None else 0
+        if copied is not None:
+            n = k  # verified whole, outside the verifier's width policy, which models the drafter
+        else:
+            n = e.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
         anchor_arr = e.backend.int_array([anchor])

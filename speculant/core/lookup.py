@@ -15,40 +15,44 @@ DEFAULT_BLOCK_SIZE = 8  # verify width (anchor + copies) when lookup runs withou
 
 
 class PromptLookup:
-    """Token history of one request with, per n-gram length, where the current suffix last occurred."""
+    """Token history of one request, indexed by every ``min_match``..``max_match``-gram whose next
+    token is known (so the current suffix is found only where it occurred before)."""
 
-    def __init__(self, min_match: int, max_match: int) -> None:
+    def __init__(self, min_match: int, max_match: int, token_ids: Sequence[int] = ()) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"prompt lookup needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
         self.min_match, self.max_match = min_match, max_match
-        self.reset([])
+        self.reset(token_ids)
 
     def reset(self, token_ids: Sequence[int]) -> None:
         self.history: list[int] = []
-        self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token
-        self._previous: dict[int, int] = {}  # n -> end of the suffix n-gram's earlier occurrence
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token, latest occurrence
         self.extend(token_ids)
 
     def extend(self, token_ids: Sequence[int]) -> None:
+        h = self.history
         for t in token_ids:
-            self.history.append(int(t))
-            end = len(self.history) - 1
-            self._previous = {}
+            end = len(h) - 1  # the last token now gets a successor: index the n-grams ending at it
             for n in range(self.min_match, min(self.max_match, end + 1) + 1):
-                gram = tuple(self.history[end - n + 1:])
-                earlier = self._latest.get(gram)
-                if earlier is not None:
-                    self._previous[n] = earlier
-                self._latest[gram] = end
+                self._ends[tuple(h[end - n + 1:])] = end
+            h.append(int(t))
+
+    def match(self) -> int | None:
+        """Where the longest suffix of ``max_match``..``min_match`` tokens last ended before, or None."""
+        h = self.history
+        for n in range(min(self.max_match, len(h)), self.min_match - 1, -1):
+            end = self._ends.get(tuple(h[-n:]))
+            if end is not None:
+                return end
+        return None
 
     def propose(self, k: int) -> list[int] | None:
         """``k`` tokens copied after the longest matching suffix, or None when none matches.
 
         A match ``p`` tokens back continues periodically past the end of the history (a loop of
         period ``p`` repeats)."""
-        match = next((self._previous[n] for n in range(self.max_match, self.min_match - 1, -1)
-                      if n in self._previous), None)
-        if match is None or k < 1:
+        match = self.match() if k >= 1 else None
+        if match is None:
             return None
         tokens = self.history[match + 1: match + 1 + k]
         period = len(self.history) - 1 - match

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from speculant.core.lookup import PromptLookup
+
 
 class DriftDetector:
     """Notices when the realized tokens per cycle leave what the model predicted.
@@ -108,15 +110,12 @@ class RepeatWatch:
         self.reset()
 
     def reset(self) -> None:
-        self.tail: tuple[int, ...] = ()
-        self.seen: set[tuple[int, ...]] = set()
+        self._spans = PromptLookup(self.SPAN, self.SPAN)  # prompt lookup's index of earlier spans
 
     def add(self, token_ids: Sequence[int]) -> bool:
         """Take a cycle's committed tokens; True when one of them completed a repeated span."""
         hit = False
         for t in token_ids:
-            self.tail = (self.tail + (int(t),))[-self.SPAN:]
-            if len(self.tail) == self.SPAN:
-                hit = hit or self.tail in self.seen
-                self.seen.add(self.tail)
+            self._spans.extend([t])
+            hit = hit or self._spans.match() is not None
         return hit
