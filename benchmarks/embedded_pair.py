@@ -30,7 +30,7 @@ def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
     def make(drafter: str | None, verifier: str = "auto", block: int | None = None, lookup: bool = False):
         config = embedded.engine_config(drafter, backend=backend, lookup=lookup)  # the shipped lookup settings
         if drafter is None and lookup:
-            config["drafter"] = {"lookup": {"enabled": True, "min_match": embedded.LOOKUP_MIN_MATCH, "max_match": 8}}
+            config["drafter"] = {"lookup": {"enabled": True, **embedded.LOOKUP}}
         config["backend"]["dtype"] = dtype
         config["verifier"] = {"kind": verifier}
         if block:

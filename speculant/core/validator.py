@@ -124,6 +124,7 @@ def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> 
     if config.drafter.enabled:
         drafter_info = _check_drafter(config, target, registry, add)
     _check_lookup(config, add)
+    _check_block_floor(config, add)
     report.drafter = drafter_info
     _check_verifier(config, drafter_info, registry, add)
     if target is not None:
@@ -200,9 +201,7 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
     block = d.block_size
     limit = info.block_limit
     if block is not None:
-        if block < 2:
-            add(Problem("drafter.block_size", f"{block} is below 2 (one anchor plus at least one proposal)", "use a block size of at least 2"))
-        elif limit is not None and block > limit:
+        if block >= 2 and limit is not None and block > limit:  # below 2: _check_block_floor
             add(Problem("drafter.block_size", f"{block} exceeds the draft's trained block size {limit}",
                         f"use a value between 2 and {limit}"))
     elif info.trained_block_size is None:
@@ -211,15 +210,18 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
 
 
 def _check_lookup(config: EngineConfig, add) -> None:
-    d = config.drafter
-    if not d.lookup.enabled:
-        return
-    if d.lookup.min_match > d.lookup.max_match:
-        add(Problem("drafter.lookup.min_match", f"min_match {d.lookup.min_match} exceeds max_match {d.lookup.max_match}",
+    lookup = config.drafter.lookup
+    if lookup.enabled and lookup.min_match > lookup.max_match:
+        add(Problem("drafter.lookup.min_match", f"min_match {lookup.min_match} exceeds max_match {lookup.max_match}",
                     "set drafter.lookup.min_match <= drafter.lookup.max_match"))
-    if not d.enabled and d.block_size is not None and d.block_size < 2:
-        add(Problem("drafter.block_size", f"{d.block_size} is below 2 (one anchor plus at least one copied token)",
-                    "use a block size of at least 2"))
+
+
+def _check_block_floor(config: EngineConfig, add) -> None:
+    """A block is the anchor plus at least one proposal, from the drafter or copied by lookup."""
+    d = config.drafter
+    if (d.enabled or d.lookup.enabled) and d.block_size is not None and d.block_size < 2:
+        add(Problem("drafter.block_size", f"{d.block_size} is below 2 (one anchor plus at least one proposal or "
+                    "copied token)", "use a block size of at least 2"))
 
 
 def _check_quantization(config: EngineConfig, add) -> None:

@@ -53,12 +53,15 @@ def activation_dtype(q: QuantizationConfig, backend_dtype: str) -> str:
     return "float16" if backend_dtype == "float16" else "bfloat16"
 
 
-def exclude_for(info, q: QuantizationConfig) -> Exclude:
-    """What stays in float: nothing with ``q.quantize_all``, else the drafter's own choice or the default."""
-    if q.quantize_all:
-        return lambda path: False
+def drafter_exclude(info) -> Exclude:
+    """What the drafter keeps in float unless asked (``:all``): its own choice, else the default."""
     extra = getattr(info, "extra", None) or {}
     return extra.get("quantize_exclude") or default_exclude
+
+
+def exclude_for(info, q: QuantizationConfig) -> Exclude:
+    """What stays in float: nothing with ``q.quantize_all``, else :func:`drafter_exclude`."""
+    return (lambda path: False) if q.quantize_all else drafter_exclude(info)
 
 
 # -- checks (run by the validator before any weights load) ---------------------------------
@@ -122,8 +125,7 @@ def _width_problems(folder, drafter, q: QuantizationConfig) -> list[Problem]:
         return []  # the drafter's own checks report unreadable weights
     if problem is None:
         return []
-    default = exclude_for(drafter, q.model_copy(update={"quantize_all": False}))
-    if q.quantize_all and _group_problem(q, quantized_widths(folder, default)) is None:
+    if q.quantize_all and _group_problem(q, quantized_widths(folder, drafter_exclude(drafter))) is None:
         problem = Problem(problem.field, problem.message, f"{problem.fix}; or drop ':all' (quantize_all) so "
                           "the selector and convolutions stay in float")
     return [problem]

@@ -22,7 +22,7 @@ DEFAULT_VERIFIER = "adaptive"
 # but the context holds: copies from it (drafter.lookup) lifted DFlash2's speed-up most there,
 # and most with one-token matches (benchmarks/embedded_pair.py --lookup; README).
 DEFAULT_LOOKUP = True
-LOOKUP_MIN_MATCH = 1
+LOOKUP = {"min_match": 1, "max_match": 8}  # drafter.lookup settings beside ``enabled``
 
 
 def available() -> bool:
@@ -58,7 +58,7 @@ def engine_config(drafter: str | None = DEFAULT_DRAFTER, backend: str | None = N
         config["drafter"] = {"kind": "none"}
     elif drafter in DRAFTERS:
         config["drafter"] = {"kind": drafter, "path": str(PAIR_DIR / drafter),
-                             "lookup": {"enabled": lookup, "min_match": LOOKUP_MIN_MATCH, "max_match": 8}}
+                             "lookup": {"enabled": lookup, **LOOKUP}}
     else:
         raise ValueError(f"the shipped pair has drafters {', '.join(DRAFTERS)} (or none); got {drafter!r}")
     return config
