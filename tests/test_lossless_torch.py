@@ -90,3 +90,15 @@ def test_random_draft_still_lossless(random_pair):
     plain = engine(random_pair["target"]).run(prompt_ids=[9, 8, 7], max_new_tokens=30, ignore_eos=True)
     spec = engine(random_pair["target"], random_pair["draft"]).run(prompt_ids=[9, 8, 7], max_new_tokens=30, ignore_eos=True)
     assert spec.token_ids == plain.token_ids
+
+
+def test_decoding_passes_the_cache_under_the_name_transformers_expects(engines):
+    """Newer transformers renamed the forward's ``past_key_values`` to ``cache`` and warn on every
+    call with the old name; the warning would land in every ``speculant generate``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        result = engines["dflash"].run(prompt_ids=PROMPTS["short"], max_new_tokens=12, block_size=4, ignore_eos=True)
+    assert len(result.token_ids) == 12

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Sequence
 
@@ -19,6 +20,12 @@ def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn
     if layers is None or norm is None:
         raise TypeError(f"{type(model).__name__} does not expose decoder layers and a final norm; unsupported family")
     return inner, layers, norm
+
+
+def cache_keyword(model) -> str:
+    """The forward's name for the KV cache: ``cache`` in newer transformers (which warn on the old
+    ``past_key_values``), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class _Recorder:
@@ -72,6 +79,7 @@ class TorchTarget(TargetModel):
         self._recorder = _Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
         self._head = model.get_output_embeddings()
+        self._cache_kwarg = cache_keyword(model)
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
@@ -97,7 +105,7 @@ class TorchTarget(TargetModel):
         try:
             out = self.model(
                 input_ids=ids[None, :],
-                past_key_values=self.cache,
+                **{self._cache_kwarg: self.cache},
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )
