@@ -209,9 +209,9 @@ def test_chosen_target_layer_ids_reach_the_draft_config(trained_target, tmp_path
     args = build_parser().parse_args(["train", "dflash", "--target", str(trained_target), "--out", str(tmp_path),
                                       "--target-layer-ids", "0,1"])
     assert args.target_layer_ids == (0, 1)
-    from speculant.training.command import _feature_flags
+    from speculant.training.command import _block_shape_flags
 
-    assert _feature_flags(args) == {"num_features": 2, "target_layer_ids": (0, 1)}  # the ids set the count
+    assert _block_shape_flags(args) == {"num_features": 2, "target_layer_ids": (0, 1)}  # the ids set the count
     cfg = new_draft_config(trained_target, tmp_path / "d", DFlashShape(num_features=2, target_layer_ids=(0, 1)))
     assert cfg.target_layer_ids == [0, 1]
     layers = json.loads((trained_target / "config.json").read_text())["num_hidden_layers"]
@@ -219,3 +219,45 @@ def test_chosen_target_layer_ids_reach_the_draft_config(trained_target, tmp_path
         new_draft_config(trained_target, tmp_path / "e", DFlashShape(num_features=2, target_layer_ids=(0, layers)))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "dflash", "--target", "t", "--out", "o", "--target-layer-ids", "1,x"])
+
+
+def test_a_sliding_window_reaches_the_config_and_training_sees_what_inference_sees(trained_target, tmp_path):
+    """--sliding-window: the draft config gets non-causal sliding layers, and the training forward
+    attends to exactly the context rows the inference drafter keeps (beyond the window, too)."""
+    from speculant.cli import build_parser
+    from speculant.core.types import Capture, DraftRequest
+    from speculant.training import dflash as dflash_mod
+    from speculant.training.command import _block_shape_flags
+
+    args = build_parser().parse_args(["train", "dflash", "--target", str(trained_target), "--out", str(tmp_path),
+                                      "--sliding-window", "6"])
+    assert _block_shape_flags(args)["sliding_window"] == 6
+    target = dflash_mod.load_frozen_target(trained_target)
+    prompts = np.random.default_rng(2).integers(2, 300, size=(8, 8)).astype(np.int32)
+    sequences = dflash_mod.generate_sequences(target, prompts, 40)
+    shape = dflash_mod.DFlashShape(num_layers=2, block_size=4, num_features=2, anchors_per_sequence=8, sliding_window=6)
+    settings = TrainSettings(steps=3, lr=1e-2, bf16=False, checkpoint_every=3, warmup_ratio=0.1)
+    draft = dflash_mod.train_dflash(trained_target, sequences, 8, tmp_path / "draft", shape, settings, batch=2)
+    config = json.loads((draft / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 6
+    assert config["is_causal"] is False  # the block stays bidirectional, as without a window
+
+    engine = speculant.Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+                                           "target": {"path": str(trained_target)},
+                                           "drafter": {"kind": "dflash", "path": str(draft)}})
+    drafter, cfg = engine.drafter, engine.drafter.cfg
+    tokens = torch.from_numpy(sequences[0].astype(np.int64))
+    anchor = 30  # 30 context rows, five times the window
+    features, _ = dflash_mod.capture_batch(target, tokens[None], Capture(tuple(cfg.target_layer_ids)))
+    with torch.no_grad():
+        trained = dflash_mod.draft_forward(drafter.model, target, features[0], tokens, torch.tensor([anchor]), cfg)[0, 1:]
+        everything = dflash_mod.draft_forward(drafter.model, target, features[0], tokens, torch.tensor([anchor]),
+                                              cfg, run_layer=lambda layer, x, cos, sin, k, v, mask: layer(
+                                                  x, cos, sin, k, v, dflash_mod.block_mask(torch.tensor([anchor]),
+                                                                                          len(tokens), 4)))[0, 1:]
+    engine.target.reset()
+    out = engine.target.prefill(tokens[:anchor].tolist(), drafter.info.capture)
+    drafter.prefill(tokens[:anchor].tolist(), out, int(tokens[anchor]))
+    inferred = drafter._hidden(DraftRequest(int(tokens[anchor]), anchor, 3))
+    assert torch.allclose(trained, inferred, atol=1e-5)
+    assert not torch.allclose(everything, inferred, atol=1e-3)  # the window matters here: the check can fail

@@ -74,6 +74,9 @@ def _drafter_parser(steps, name: str, help: str, block: bool):
                             help="comma-separated target layers to read, e.g. 1,4,7 (sets --features); "
                                  "default: the published spacing 1..N-3")
         parser.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step")
+        parser.add_argument("--sliding-window", type=int, metavar="N",
+                            help="draft layers attend to the last N-1 context rows, in training and inference "
+                                 "(default: all for DFlash, 2048 for DFlash2)")
     _sequence_flags(parser)
     parser.add_argument("--batch", type=int, default=4)
     return parser
@@ -86,10 +89,14 @@ def _layer_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer ids such as 1,4,7") from None
 
 
-def _feature_flags(args) -> dict:
-    """``num_features`` and ``target_layer_ids`` of a DFlash-family shape (explicit ids set the count)."""
+def _block_shape_flags(args) -> dict:
+    """``num_features``, ``target_layer_ids`` (explicit ids set the count) and, when given,
+    ``sliding_window`` of a DFlash-family shape."""
     ids = args.target_layer_ids
-    return {"num_features": len(ids) if ids else args.features, "target_layer_ids": ids}
+    flags = {"num_features": len(ids) if ids else args.features, "target_layer_ids": ids}
+    if args.sliding_window is not None:
+        flags["sliding_window"] = args.sliding_window
+    return flags
 
 
 def _sequence_flags(parser) -> None:
@@ -161,7 +168,7 @@ def cmd_dflash(args) -> int:
     from speculant.training.dflash import DFlashShape, train_dflash
 
     sequences = target_sequences(args)
-    shape = DFlashShape(args.layers, args.block_size, anchors_per_sequence=args.anchors, **_feature_flags(args))
+    shape = DFlashShape(args.layers, args.block_size, anchors_per_sequence=args.anchors, **_block_shape_flags(args))
     path = train_dflash(args.target, sequences, args.prompt_len, args.out, shape, _settings(args), args.batch,
                         init_from=args.init_from)
     record_provenance(path, args)
@@ -173,7 +180,7 @@ def cmd_dflash2(args) -> int:
     from speculant.training.dflash2 import DFlash2Shape, train_dflash2
 
     sequences = target_sequences(args)
-    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size, **_feature_flags(args),
+    shape = DFlash2Shape(num_layers=args.layers, block_size=args.block_size, **_block_shape_flags(args),
                          anchors_per_sequence=args.anchors, conv_kernel_size=args.conv_kernel_size,
                          conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
                          selector_top_k=args.selector_top_k, selector_weight=args.selector_weight)

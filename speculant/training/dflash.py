@@ -32,6 +32,10 @@ class DFlashShape:
     num_features: int = 3
     anchors_per_sequence: int = 32
     target_layer_ids: tuple[int, ...] | None = None  # None: the published spacing for num_features
+    # Draft layers attend to the last ``sliding_window - 1`` context rows (None: all). A draft
+    # trained on short sequences drafts badly over longer contexts than it saw; a window keeps
+    # inference within them, and training honours it, so both see the same rows.
+    sliding_window: int | None = None
 
 
 def default_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -65,11 +69,17 @@ def generate_sequences(target, prompts: np.ndarray, new_tokens: int, batch: int 
     return np.concatenate(out)
 
 
-def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
-    """Keep-mask [n*B, S + n*B]: context strictly before the row's anchor, plus its own block."""
+def block_mask(anchors: torch.Tensor, seq_len: int, block: int, window: int | None = None) -> torch.Tensor:
+    """Keep-mask [n*B, S + n*B]: context strictly before the row's anchor, plus its own block.
+    A sliding ``window`` keeps, as inference does, context keys less than ``window`` positions
+    before the row (its block is never farther apart)."""
     n = anchors.shape[0]
     rows_block = torch.arange(n).repeat_interleave(block)
-    ctx_keep = torch.arange(seq_len)[None, :] < anchors[rows_block][:, None]
+    keys = torch.arange(seq_len)[None, :]
+    ctx_keep = keys < anchors[rows_block][:, None]
+    if window is not None:
+        rows = (anchors[rows_block] + torch.arange(block).repeat(n))[:, None]
+        ctx_keep &= rows - keys < window
     own = rows_block[:, None] == rows_block[None, :]
     return torch.cat([ctx_keep, own], dim=1)
 
@@ -103,8 +113,9 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     with torch.no_grad():
         x = target.embed(ids.reshape(-1)).to(dtype)
     x = x * cfg.input_embedding_scale
-    mask = block_mask(anchors, S, B)
+    masks = {window: block_mask(anchors, S, B, window) for window in {layer.window for layer in model.layers}}
     for layer in model.layers:
+        mask = masks[layer.window]
         ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
         x = layer(x, cos, sin, ck, cv, mask) if run_layer is None else run_layer(layer, x, cos, sin, ck, cv, mask)
     return model.norm(x).reshape(anchors.shape[0], B, -1)
@@ -174,8 +185,10 @@ def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFl
     mask = mask_token_id(target_dir)
     layer_ids = shape_layer_ids(shape, tcfg["num_hidden_layers"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(
-        published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size), indent=2))
+    config = published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window)
+    if shape.sliding_window:
+        config["is_causal"] = False  # published rule: sliding layers are causal unless the config says not
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     cfg, problems = parse_config(out_dir)
     if problems:
         raise ValueError("; ".join(map(str, problems)))
