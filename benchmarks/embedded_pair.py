@@ -4,7 +4,7 @@ measured side by side (greedy, block 8 unless --block-size says otherwise).
 
     python benchmarks/embedded_pair.py [--backend torch|mlx] [--dtype bfloat16[,float32]] [--prompts 8]
                                        [--max-new-tokens 128] [--threads 2] [--verifiers auto,adaptive]
-                                       [--block-size 8]
+                                       [--block-size 8] [--prompt-len 64]
 
 Prompts are 64-token windows of the held-out standard-library files (never trained on). For
 each prompt every engine runs back to back (plain first), so machine drift hits them alike;
@@ -50,11 +50,11 @@ def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
     return out
 
 
-def held_out_prompts(count: int) -> list[list[int]]:
+def held_out_prompts(count: int, length: int = 64) -> list[list[int]]:
     from speculant.embedded import PAIR_DIR
     from speculant.training.command import corpus_prompts
 
-    return [p.tolist() for p in corpus_prompts(PAIR_DIR / "target", count, 64, seed=1234, held_out=True)]
+    return [p.tolist() for p in corpus_prompts(PAIR_DIR / "target", count, length, seed=1234, held_out=True)]
 
 
 def main() -> None:
@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--dtype", default="bfloat16", help="comma-separated: several dtypes run side by side")
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64,
+                        help="prompt tokens (the drafters were trained on contexts of at most 320)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
     parser.add_argument("--block-size", type=int, default=8, help="runtime block of DFlash and DFlash2 (the trained one is 8)")
@@ -77,7 +79,7 @@ def main() -> None:
     dtypes = args.dtype.split(",")
     lookups = (False, True) if args.lookup else (False,)
     runs = {dtype: engines(args.backend, dtype, args.verifiers.split(","), args.block_size, lookups) for dtype in dtypes}
-    prompts = held_out_prompts(args.prompts)
+    prompts = held_out_prompts(args.prompts, args.prompt_len)
     for group in runs.values():  # warm-up: first-call costs stay out of the timings
         for engine in group.values():
             engine.run(prompt_ids=prompts[0], max_new_tokens=16, ignore_eos=True)
@@ -111,7 +113,8 @@ def across(rows: dict[str, dict[str, list[dict]]], dtypes: list[str]) -> None:
 
 def report(rows: dict[str, list[dict]], args, dtype: str) -> None:
     plain = rows["plain"]
-    print(f"shipped pair, {args.backend} {dtype}, block {args.block_size}, {len(plain)} held-out prompts, "
+    print(f"shipped pair, {args.backend} {dtype}, block {args.block_size}, {len(plain)} held-out prompts "
+          f"of {args.prompt_len} tokens, "
           f"{args.max_new_tokens} new tokens, greedy")
     print(f"plain decoding: median {statistics.median(r['decode_tokens_per_s'] for r in plain):.1f} tok/s")
     print(f"{'drafter':<28}{'tau mean':>9}{'tau med':>9}{'tok/s':>9}{'speed-up med':>14}{'same tokens':>13}{'copies':>8}")

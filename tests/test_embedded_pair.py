@@ -149,3 +149,31 @@ def test_train_evaluate_prints_the_held_out_mean_acceptance_length(capsys):
     stats = check.run(prompt_ids=first.tolist(), max_new_tokens=24, ignore_eos=True).stats
     assert result["per_prompt"][0] == pytest.approx(stats.mean_acceptance_length)
     assert 1.0 < result["mean_acceptance_length"] <= 8.0
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_block_drafters_keep_drafting_well_past_the_contexts_they_were_trained_on(drafter, tmp_path):
+    """Trained on contexts of at most 320 tokens, the block drafters read only the last 255 rows
+    (their configs' sliding window). On held-out 512-token prompts that stays lossless and accepts
+    clearly more than the same weights reading the whole context."""
+    import shutil
+
+    from speculant.training.command import corpus_prompts
+
+    shipped = json.loads((embedded.PAIR_DIR / drafter / "config.json").read_text())
+    assert shipped["layer_types"] == ["sliding_attention"] * 2 and shipped["sliding_window"] == 256
+    assert shipped["is_causal"] is False
+    unbounded = tmp_path / drafter
+    shutil.copytree(embedded.PAIR_DIR / drafter, unbounded)
+    (unbounded / "config.json").write_text(json.dumps({**shipped, "sliding_window": 4096}))
+    prompts = [p.tolist() for p in corpus_prompts(embedded.PAIR_DIR / "target", 3, 512, seed=1234, held_out=True)]
+    plain, windowed = engine(None), engine(drafter, verifier="speculative_sampling")
+    whole = engine(drafter, verifier="speculative_sampling", path=str(unbounded))
+    taus = {"windowed": [], "whole": []}
+    for prompt in prompts:
+        expected = plain.run(prompt_ids=prompt, max_new_tokens=64, ignore_eos=True).token_ids
+        for name, spec in (("windowed", windowed), ("whole", whole)):
+            result = spec.run(prompt_ids=prompt, max_new_tokens=64, ignore_eos=True)
+            assert result.token_ids == expected, (drafter, name)
+            taus[name].append(result.stats.mean_acceptance_length)
+    assert sum(taus["windowed"]) > sum(taus["whole"]) + 0.9, taus  # 0.3 per prompt
