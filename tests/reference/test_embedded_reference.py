@@ -19,12 +19,21 @@ def test_reference_loads_the_shipped_dflash_draft_with_every_key(reference_venv)
     assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
 
 
-def test_reference_loop_matches_speculant_on_the_shipped_pair(reference_venv):
+def long_prompt() -> list[int]:
+    """A held-out 400-token window: longer than the block drafters' sliding window (256)."""
+    from speculant.training.command import corpus_prompts
+
+    return corpus_prompts(embedded.PAIR_DIR / "target", 1, 400, seed=1234, held_out=True)[0].tolist()
+
+
+@pytest.mark.parametrize("prompt_kind", ["short", "past_the_window"])
+def test_reference_loop_matches_speculant_on_the_shipped_pair(reference_venv, prompt_kind):
     config = embedded.engine_config("dflash", backend="torch", lookup=False)  # the reference has no prompt lookup
     config["backend"].update({"dtype": "float32", "device": "cpu"})
     config["verifier"] = {"kind": "greedy"}  # a full block every cycle, as the reference loop does
     engine = speculant.Engine.from_config(config)
-    prompt = engine.tokenizer.encode("import os\n\n\ndef main(argv):\n", add_special_tokens=False)
+    prompt = (engine.tokenizer.encode("import os\n\n\ndef main(argv):\n", add_special_tokens=False)
+              if prompt_kind == "short" else long_prompt())
     ref = harness.run_reference("torch", embedded.PAIR_DIR / "target", embedded.PAIR_DIR / "dflash", prompt, 48, 8)
     ours = engine.run(prompt_ids=prompt, max_new_tokens=48, ignore_eos=True)
     assert ours.token_ids == ref["tokens"]
