@@ -1,5 +1,6 @@
 """Parts of the DFlash draft that decoding takes shortcuts through: the attention mask that is
-skipped when every key is visible (PyTorch and MLX) and cached RoPE spans (PyTorch)."""
+skipped when every key is visible (PyTorch and MLX), cached RoPE spans and the in-place context
+cache (PyTorch)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from speculant.drafters.dflash.config import parse_config  # noqa: E402
-from speculant.drafters.dflash.torch import Rotary, attention_mask  # noqa: E402
+from speculant.drafters.dflash.torch import ContextCache, Rotary, attention_mask  # noqa: E402
 from speculant.embedded import PAIR_DIR  # noqa: E402
 
 
@@ -61,3 +62,30 @@ def test_cached_rope_spans_equal_tables_computed_for_the_positions(dtype):
         cos, sin = rotary.span(start, count, dtype, torch.device("cpu"))
         want_cos, want_sin = rotary(torch.arange(start, start + count), dtype)
         assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_context_cache_joins_blocks_in_place_as_concatenation_would(window):
+    """Commits of varying size, each followed by a block joined in place (never committed): the
+    keys/values attended to and the first kept position equal those of plain concatenation,
+    through buffer growth and, for a sliding layer, compaction."""
+    gen = torch.Generator().manual_seed(0)
+    cache = ContextCache(1, [window])
+    kept_k = kept_v = torch.empty(2, 0, 4)
+    start = position = 0
+    buffers = []  # every buffer the cache used (held, so none is freed and reused)
+    for n in [7, 1, 3, 0, 8, 2, 30, 1, 1, 5, 64, 2] * 3:
+        k, v = torch.randn(2, n, 4, generator=gen), torch.randn(2, n, 4, generator=gen)
+        cache.append(0, k, v, position, reserve=4)
+        kept_k, kept_v = torch.cat([kept_k, k], 1), torch.cat([kept_v, v], 1)
+        position += n
+        if window is not None and kept_k.shape[1] > window - 1:
+            start += kept_k.shape[1] - (window - 1)
+            kept_k, kept_v = kept_k[:, -(window - 1):], kept_v[:, -(window - 1):]
+        block_k, block_v = torch.randn(2, 4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
+        keys, values = cache.slot(0).join(block_k, block_v)
+        assert torch.equal(keys, torch.cat([kept_k, block_k], 1)) and torch.equal(values, torch.cat([kept_v, block_v], 1))
+        assert cache.starts[0] == start and cache.length(0) == kept_k.shape[1]
+        if not any(b is cache.keys[0] for b in buffers):
+            buffers.append(cache.keys[0])
+    assert len(buffers) <= 8  # reallocated now and then (36 cycles here), not every cycle

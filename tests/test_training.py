@@ -252,8 +252,8 @@ def test_a_sliding_window_reaches_the_config_and_training_sees_what_inference_se
     with torch.no_grad():
         trained = dflash_mod.draft_forward(drafter.model, target, features[0], tokens, torch.tensor([anchor]), cfg)[0, 1:]
         everything = dflash_mod.draft_forward(drafter.model, target, features[0], tokens, torch.tensor([anchor]),
-                                              cfg, run_layer=lambda layer, x, cos, sin, k, v, mask: layer(
-                                                  x, cos, sin, k, v, dflash_mod.block_mask(torch.tensor([anchor]),
+                                              cfg, run_layer=lambda layer, x, cos, sin, context, mask: layer(
+                                                  x, cos, sin, context, dflash_mod.block_mask(torch.tensor([anchor]),
                                                                                           len(tokens), 4)))[0, 1:]
     engine.target.reset()
     out = engine.target.prefill(tokens[:anchor].tolist(), drafter.info.capture)

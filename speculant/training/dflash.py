@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from speculant.core.types import Capture
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
+from speculant.drafters.dflash.torch import ContextRows
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -99,7 +100,7 @@ def anchor_batch(sequences: np.ndarray, step: int, rank: int, seed: int, batch: 
 def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, cfg: DFlashConfig,
                   run_layer=None):
     """Draft hidden states [n, B, H] of the blocks opened at ``anchors`` in one sequence.
-    ``run_layer(layer, x, cos, sin, ctx_k, ctx_v, mask)`` replaces ``layer(...)`` (DFlash2 runs
+    ``run_layer(layer, x, cos, sin, context, mask)`` replaces ``layer(...)`` (DFlash2 runs
     its block-local convolutions block by block)."""
     B = cfg.block_size
     S = features.shape[0]
@@ -116,8 +117,8 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     masks = {window: block_mask(anchors, S, B, window) for window in {layer.window for layer in model.layers}}
     for layer in model.layers:
         mask = masks[layer.window]
-        ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-        x = layer(x, cos, sin, ck, cv, mask) if run_layer is None else run_layer(layer, x, cos, sin, ck, cv, mask)
+        context = ContextRows(*layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin))
+        x = layer(x, cos, sin, context, mask) if run_layer is None else run_layer(layer, x, cos, sin, context, mask)
     return model.norm(x).reshape(anchors.shape[0], B, -1)
 
 

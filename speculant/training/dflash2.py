@@ -101,13 +101,13 @@ def blockwise(block_size: int):
     """``run_layer`` for :func:`draft_forward`: each block through the layer on its own (the
     convolutions never cross a block boundary), attending to its context rows and its block."""
 
-    def run_layer(layer, x, cos, sin, ctx_k, ctx_v, mask):
+    def run_layer(layer, x, cos, sin, context, mask):
         B = block_size
         n = x.shape[0] // B
         S = mask.shape[1] - n * B
         keep = torch.cat([mask[:, :S].reshape(n, B, S), torch.ones(n, B, B, dtype=torch.bool)], dim=-1)
-        run = torch.func.vmap(layer, in_dims=(0, 0, 0, None, None, 0))
-        out = run(x.view(n, B, -1), cos.view(n, B, -1), sin.view(n, B, -1), ctx_k, ctx_v, keep)
+        run = torch.func.vmap(layer, in_dims=(0, 0, 0, None, 0))
+        out = run(x.view(n, B, -1), cos.view(n, B, -1), sin.view(n, B, -1), context, keep)
         return out.reshape(n * B, -1)
 
     return run_layer

@@ -8,7 +8,7 @@ and denoises a block ``[anchor, mask x (B-1)]`` in one non-causal pass.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +98,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         return rotate(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
+        """``context`` (:class:`ContextRows` or a :class:`ContextCache` slot) puts the block's keys
+        and values after the context's."""
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)).transpose(0, 1)
         q = rotate(q, cos, sin)
-        k, v = self.keys_values(x, cos, sin)
-        k = torch.cat([ctx_k, k], dim=1)
-        v = torch.cat([ctx_v, v], dim=1)
+        k, v = context.join(*self.keys_values(x, cos, sin))
         groups = self.heads // self.kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)
@@ -137,8 +137,8 @@ class DecoderLayer(nn.Module):
         self.causal = cfg.layer_is_causal(index)
         self.window = cfg.layer_window(index)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,31 +180,82 @@ def attention_mask(ctx_start: int, ctx_length: int, block_start: int, block_leng
     return keep
 
 
+class ContextRows(NamedTuple):
+    """Context keys/values [kv_heads, n, hd] held apart from the block's (training)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
+
+
 class ContextCache:
-    """Per-layer keys/values of committed context rows (block rows are never stored); a
-    layer's rows are consecutive positions from ``starts[layer]`` on."""
+    """Per-layer keys/values of committed context rows, in buffers with room after them: a draft
+    writes its block's rows there (never committed) and attends over a view, so no cycle copies
+    the context. A sliding layer keeps its last ``window - 1`` rows; its buffer is compacted only
+    when full, so that copy is paid once per ``window`` rows, not once per cycle."""
 
     def __init__(self, num_layers: int, windows: list[int | None]) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.starts: list[int] = [0] * num_layers
+        self.first = [0] * num_layers  # buffer row of the first kept context row
+        self.end = [0] * num_layers  # buffer row after the last committed one
+        self.starts: list[int] = [0] * num_layers  # absolute position of the first kept row
         self.windows = windows
 
-    def append(self, layer: int, k, v, start: int) -> None:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=1)
-            v = torch.cat([self.values[layer], v], dim=1)
-        else:
+    def append(self, layer: int, k, v, start: int, reserve: int = 0) -> None:
+        """Commit rows ``k``/``v`` [kv_heads, n, hd] (positions from ``start`` on); keep room for
+        ``reserve`` block rows after them."""
+        if self.keys[layer] is None:
             self.starts[layer] = start
+        n = k.shape[1]
+        self._make_room(layer, n + reserve, k, v)
+        end = self.end[layer]
+        self.keys[layer][:, end:end + n] = k
+        self.values[layer][:, end:end + n] = v
+        self.end[layer] = end + n
         window = self.windows[layer]
-        if window is not None and k.shape[1] > window - 1:  # a sliding layer never needs more
-            self.starts[layer] += k.shape[1] - (window - 1)
-            k, v = k[:, -(window - 1):], v[:, -(window - 1):]
-        self.keys[layer], self.values[layer] = k, v
+        if window is not None and self.length(layer) > window - 1:  # a sliding layer never needs more
+            drop = self.length(layer) - (window - 1)
+            self.first[layer] += drop
+            self.starts[layer] += drop
+
+    def _make_room(self, layer: int, rows: int, k, v) -> None:
+        keys, first, end = self.keys[layer], self.first[layer], self.end[layer]
+        kept = end - first
+        if keys is not None and end + rows <= keys.shape[1]:
+            return
+        window = self.windows[layer]
+        need = kept + rows
+        capacity = max(64, 2 * need if window is None else need + window)
+        grown_k = k.new_empty((k.shape[0], capacity, k.shape[2]))
+        grown_v = v.new_empty((v.shape[0], capacity, v.shape[2]))
+        if kept:
+            grown_k[:, :kept] = keys[:, first:end]
+            grown_v[:, :kept] = self.values[layer][:, first:end]
+        self.keys[layer], self.values[layer] = grown_k, grown_v
+        self.first[layer], self.end[layer] = 0, kept
 
     def length(self, layer: int) -> int:
-        keys = self.keys[layer]
-        return 0 if keys is None else int(keys.shape[1])
+        return self.end[layer] - self.first[layer]
+
+    def slot(self, layer: int) -> "_BlockSlot":
+        return _BlockSlot(self, layer)
+
+
+class _BlockSlot:
+    """One layer's context in a :class:`ContextCache`, joined with a block in place."""
+
+    def __init__(self, cache: ContextCache, layer: int) -> None:
+        self.cache, self.layer = cache, layer
+
+    def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, i = self.cache, self.layer
+        first, end = c.first[i], c.end[i]
+        c.keys[i][:, end:end + k.shape[1]] = k
+        c.values[i][:, end:end + v.shape[1]] = v
+        return c.keys[i][:, first:end + k.shape[1]], c.values[i][:, first:end + v.shape[1]]
 
 
 class TorchDFlashDrafter(Drafter):
@@ -249,10 +300,10 @@ class TorchDFlashDrafter(Drafter):
         cache = self.cache
         for i, layer in enumerate(m.layers):
             ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-            cache.append(i, ck, cv, self.context_length)
+            cache.append(i, ck, cv, self.context_length, reserve=k + 1)
             mask = attention_mask(cache.starts[i], cache.length(i), request.position, k + 1, layer.causal,
                                   layer.window, device)
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], mask)
+            x = layer(x, cos, sin, cache.slot(i), mask)
         self.context_length += n_ctx
         return m.norm(x[1:])
 

@@ -68,9 +68,9 @@ class DFlash2DecoderLayer(DecoderLayer):
         self.attention_conv = GroupedDynamicConv(H, K, group)
         self.mlp_conv = GroupedDynamicConv(H, K, group)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
         a, taps = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(a, cos, sin, ctx_k, ctx_v, mask), taps)
+        x = x + self.attention_conv.finish(self.self_attn(a, cos, sin, context, mask), taps)
         m, taps = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(m), taps)
 
