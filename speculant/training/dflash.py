@@ -186,9 +186,8 @@ def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFl
     mask = mask_token_id(target_dir)
     layer_ids = shape_layer_ids(shape, tcfg["num_hidden_layers"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window)
-    if shape.sliding_window:
-        config["is_causal"] = False  # published rule: sliding layers are causal unless the config says not
+    config = published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window,
+                              is_causal=False)  # the block is denoised bidirectionally, as trained
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     cfg, problems = parse_config(out_dir)
     if problems:

@@ -58,9 +58,8 @@ def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
     keys = {"conv_kernel_size": shape.conv_kernel_size, "conv_group_size": shape.conv_group_size,
             "selector_rank": shape.selector_rank, "selector_top_k": shape.selector_top_k}
     config = published_config(target, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window,
-                              architecture="DFlash2DraftModel", extra_dflash=keys)
+                              architecture="DFlash2DraftModel", extra_dflash=keys, is_causal=False)
     config.pop("block_size", None)
-    config["is_causal"] = False
     config["max_window_layers"] = shape.num_layers
     return config
 

@@ -250,9 +250,11 @@ def published_config(
     sliding_window: int | None = None,
     architecture: str = "DFlashDraftModel",
     extra_dflash: dict | None = None,
+    is_causal: bool | None = None,
 ) -> dict:
     """A draft ``config.json`` in the published layout for a target's ``config.json``: the
-    target's attention/MLP shapes and RoPE, the DFlash keys under ``dflash_config``."""
+    target's attention/MLP shapes and RoPE, the DFlash keys under ``dflash_config``. ``is_causal``
+    is written when given (absent, the published rule makes sliding layers causal)."""
     layer_type = "sliding_attention" if sliding_window else "full_attention"
     rope = {k: target[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in target}
     return {
@@ -280,4 +282,5 @@ def published_config(
         "use_sliding_window": bool(sliding_window),
         "tie_word_embeddings": False,
         "vocab_size": target["vocab_size"],
+        **({} if is_causal is None else {"is_causal": is_causal}),
     }
