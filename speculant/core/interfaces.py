@@ -85,6 +85,12 @@ class Backend(ABC):
     def supported_dtypes(cls) -> tuple[str, ...]:
         return ("auto", "float32", "bfloat16", "float16")
 
+    @classmethod
+    def rollback_problem(cls, target: TargetInfo) -> str | None:
+        """Why this backend cannot roll back ``target``'s caches after a rejected block (naming
+        the layer type and the family), or None when every layer kind is rolled back exactly."""
+        return None
+
     @property
     @abstractmethod
     def device(self) -> str:

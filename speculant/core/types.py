@@ -153,6 +153,10 @@ class TargetInfo:
     eos_token_ids: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     quantization: dict | None = None
+    # One entry per decoder layer, in transformers' ``layer_types`` words: ``full_attention``,
+    # ``sliding_attention``, ``linear_attention`` (Gated DeltaNet), ... (what the cache must roll back)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 

@@ -84,8 +84,32 @@ def read_target_info(path: Path) -> TargetInfo:
         eos_token_ids=tuple(eos),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         quantization=raw.get("quantization") or raw.get("quantization_config"),
+        layer_types=layer_types(cfg),
+        sliding_window=cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None,
         raw=raw,
     )
+
+
+def layer_types(cfg: dict) -> tuple[str, ...]:
+    """Each decoder layer's kind, as transformers names it, from a (text) config: its
+    ``layer_types`` when written, else the family's older keys (``full_attention_interval``,
+    ``sliding_window`` with ``use_sliding_window`` / ``max_window_layers``, ``sliding_window_pattern``)."""
+    n = cfg["num_hidden_layers"]
+    given = cfg.get("layer_types")
+    if isinstance(given, list) and len(given) == n and all(isinstance(t, str) for t in given):
+        return tuple(given)
+    interval = cfg.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0:
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n))
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or cfg.get("use_sliding_window") is False:
+        return ("full_attention",) * n
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n))
+    first = cfg.get("max_window_layers") if cfg.get("use_sliding_window") else 0
+    first = first if isinstance(first, int) else 0
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
 def _maybe_json(path: Path) -> dict:
@@ -118,6 +142,8 @@ def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> 
 
     target = _check_target(config, add)
     report.target = target
+    if target is not None and backend_cls is not None:
+        _check_rollback(config, target, backend_cls, add)
     _check_sampling(config, add)
 
     drafter_info = None
@@ -148,6 +174,17 @@ def _check_target(config: EngineConfig, add) -> TargetInfo | None:
     except ConfigError as exc:
         add(Problem("target.path", str(exc), "fix the target's config.json"))
         return None
+
+
+def _check_rollback(config: EngineConfig, target: TargetInfo, backend_cls, add) -> None:
+    """Speculative decoding rolls the target's caches back after every rejected block."""
+    speculative = config.drafter.enabled or config.drafter.lookup.enabled
+    reason = backend_cls.rollback_problem(target) if speculative else None
+    if reason:
+        other = "mlx" if config.backend.kind == "torch" else "torch"
+        add(Problem("target.path", reason,
+                    f"use a target family the {config.backend.kind} backend rolls back (or backend.kind = {other!r} "
+                    "if it supports this one), or decode plainly (drafter.kind = 'none', no lookup)"))
 
 
 def _check_sampling(config: EngineConfig, add) -> None:
