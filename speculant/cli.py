@@ -1,4 +1,4 @@
-"""The ``speculant`` command: ``generate``, ``validate``, ``plugins``, ``bench`` and ``train``.
+"""The ``speculant`` command: ``generate``, ``validate``, ``check``, ``plugins``, ``bench`` and ``train``.
 
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2; ``SPECULANT_DEBUG=1`` shows the traceback instead.
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     plug.set_defaults(func=cmd_plugins)
 
     _add_bench(sub, common)
+    _add_check(sub, common)
     _add_train(sub)
     return parser
 
@@ -95,6 +96,13 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     from speculant.bench.command import add_parser
 
     add_parser(sub, parents=[common])
+
+
+def _add_check(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``speculant check``: parser and command live in speculant.check (array libraries load lazily)."""
+    from speculant.check import add_parser
+
+    add_parser(sub, [common], _add_override_flags)
 
 
 def _add_override_flags(gen: argparse.ArgumentParser) -> None:
