@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from speculant.backends.torch.loading import load_causal_lm, logit_transform
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -79,17 +80,13 @@ class TorchTarget(TargetModel):
         self._recorder = _Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
         self._head = model.get_output_embeddings()
+        self._logit_transform = logit_transform(model.config)
         self._cache_kwarg = cache_keyword(model)
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=backend.dtype, use_safetensors=True, trust_remote_code=False
-        )
-        model.to(backend._device).eval()
-        model.requires_grad_(False)
+        model, _loading = load_causal_lm(path, backend.dtype)
+        model.to(backend._device)
         return cls(model, load_tokenizer(path), info, backend)
 
     @property
@@ -131,7 +128,8 @@ class TorchTarget(TargetModel):
 
     @torch.inference_mode()
     def lm_head(self, hidden) -> torch.Tensor:
-        return self._head(hidden)
+        logits = self._head(hidden)
+        return logits if self._logit_transform is None else self._logit_transform(logits)
 
 
 def load_tokenizer(path: str):
