@@ -114,15 +114,17 @@ def build_tiny_dflash(
     scale: float = 1.0,
     extra_config: dict | None = None,
 ) -> Path:
-    """Save a random DFlash draft in the published layout (config.json + model.safetensors)."""
+    """Save a random DFlash draft in the published layout (config.json + model.safetensors),
+    shaped like the target's language model (``text_config`` of a composite config)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tcfg = json.loads((Path(target_path) / "config.json").read_text())
+    tcfg = target_text_config(target_path)
     tok = json.loads((Path(target_path) / "tokenizer.json").read_text())
     mask_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == MASK_TOKEN)
-    H, hd = tcfg["hidden_size"], tcfg["head_dim"]
+    H = tcfg["hidden_size"]
+    hd = tcfg.get("head_dim") or H // tcfg["num_attention_heads"]
     nh, nkv, inter = tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["intermediate_size"]
     layer_ids = target_layer_ids or target_layer_ids_for(tcfg["num_hidden_layers"], min(3, tcfg["num_hidden_layers"]))
     rng = np.random.default_rng(seed)
@@ -182,10 +184,20 @@ def build_tiny_dflash(
     return path
 
 
+def target_text_config(target_path: str | Path) -> dict:
+    """The target's language-model config: ``text_config`` laid over a composite (VLM-style)
+    config.json such as Qwen3.5's or Muse Glimmer's, the file itself otherwise."""
+    from speculant.core.validator import text_config
+
+    return text_config(json.loads((Path(target_path) / "config.json").read_text()))
+
+
 def _rope_theta(tcfg: dict) -> float:
     if "rope_theta" in tcfg:
         return tcfg["rope_theta"]
     params = tcfg.get("rope_parameters") or {}
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer kind (Gemma 3)
     return params.get("rope_theta", 10000.0)
 
 

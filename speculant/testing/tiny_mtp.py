@@ -14,12 +14,16 @@ The bigram builders make a real Qwen3 target whose greedy next token is a fixed 
 rows aligned with the embeddings), and MTP weights that predict ``f(f(x_t))`` either from the
 token x_{t+1} or from the hidden state h_t, or deliberately one step short (``shift``).
 
-Mixture-of-experts / MLA families: :func:`build_family_target` saves a real Qwen3-Next
-(all full-attention layers, MoE MLPs) or DeepSeek-V3 (MLA attention, a dense first layer then
-MoE) target with transformers, optionally planted as the same bigram, and
-:func:`family_mtp_tensors` writes its MTP layer in the published names: Qwen3-Next per-expert
-``mtp.layers.{i}.mlp.experts.{e}.*`` or Qwen3.5-MoE packed ``mlp.experts.gate_up_proj`` /
-``down_proj``, and DeepSeek-V3 ``model.layers.{N+k}.*`` with MLA and the sigmoid-routed MoE.
+Mixture-of-experts / MLA / hybrid families: :func:`build_family_target` saves a real
+Qwen3-Next (MoE MLPs; every layer full attention, or with ``hybrid`` the published 3 : 1 pattern
+of Gated DeltaNet ``linear_attention`` and ``full_attention`` layers), Qwen3.5 / Qwen3.5-MoE
+(the published composite checkpoint: ``text_config``, a tiny vision tower, the language model
+under ``model.language_model.*``) or DeepSeek-V3 (MLA attention, a dense first layer then MoE)
+target with transformers, optionally planted as the same bigram, and :func:`family_mtp_tensors`
+writes its MTP layer in the published names: Qwen3-Next per-expert
+``mtp.layers.{i}.mlp.experts.{e}.*``, Qwen3.5 dense ``mtp.layers.{i}.mlp.*``, Qwen3.5-MoE packed
+``mlp.experts.gate_up_proj`` / ``down_proj``, and DeepSeek-V3 ``model.layers.{N+k}.*`` with MLA
+and the sigmoid-routed MoE.
 """
 
 from __future__ import annotations
@@ -38,6 +42,15 @@ DEEPSEEK_HEAD_NAMES = {"proj": "eh_proj.weight", "enorm": "enorm.weight", "hnorm
 
 def target_config(target_path: str | Path) -> dict:
     return json.loads((Path(target_path) / "config.json").read_text())
+
+
+def embedding_name(state) -> str:
+    """The target's embedding tensor: ``model.embed_tokens.weight``, or
+    ``model.language_model.embed_tokens.weight`` in a composite (Qwen3.5) checkpoint."""
+    for name in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+        if name in state:
+            return name
+    raise KeyError("the target holds no model.embed_tokens.weight or model.language_model.embed_tokens.weight")
 
 
 def canonical_mtp(
@@ -191,11 +204,13 @@ def _unit_rows(x: np.ndarray) -> np.ndarray:
 
 
 def build_bigram_target(path: str | Path, cycle_length: int = 32, seed: int = 0, layer_scale: float = 1e-3,
-                        first_token: int = 100, head_scale: float = 8.0, family: str = "qwen3") -> tuple[Path, list[int]]:
-    """A target (``family``: qwen3, qwen3_next or deepseek_v3) whose greedy next token after
-    ``cycle[i]`` is ``cycle[i + 1]`` (cyclic).
+                        first_token: int = 100, head_scale: float = 8.0, family: str = "qwen3",
+                        **family_args) -> tuple[Path, list[int]]:
+    """A target (``family``: qwen3, or one of :func:`build_family_target`'s, which gets
+    ``family_args`` such as ``hybrid``) whose greedy next token after ``cycle[i]`` is
+    ``cycle[i + 1]`` (cyclic).
 
-    The attention and MLP output projections (experts included) are scaled by ``layer_scale``
+    The attention, Gated DeltaNet and MLP output projections (experts included) are scaled by ``layer_scale``
     (the residual stream stays close to the token embedding, with a small context-dependent
     part), and the LM-head row of ``f(x)`` is ``head_scale`` times the unit embedding of x, so
     argmax(head(norm(E[x]))) = f(x); the logit of f(x) is about ``head_scale * sqrt(hidden_size)``
@@ -205,16 +220,16 @@ def build_bigram_target(path: str | Path, cycle_length: int = 32, seed: int = 0,
 
     from speculant.testing.tiny import build_tiny_target
 
-    path = build_tiny_target(path, seed=seed) if family == "qwen3" else build_family_target(path, family, seed=seed)
+    path = build_tiny_target(path, seed=seed) if family == "qwen3" else build_family_target(path, family, seed=seed, **family_args)
     rng = np.random.default_rng(seed + 11)
     tokens = first_token + rng.permutation(cycle_length)
     cycle = [int(t) for t in tokens]
     file = path / "model.safetensors"
     state = load_file(str(file))
     for name in state:
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")) and ".visual." not in name:
             state[name] = (state[name] * layer_scale).astype(np.float32)
-    emb = state["model.embed_tokens.weight"]
+    emb = state[embedding_name(state)]
     head = np.zeros_like(state["lm_head.weight"])
     for i, x in enumerate(cycle):
         head[cycle[(i + 1) % cycle_length]] = _unit_rows(emb[x]) * head_scale
@@ -228,7 +243,8 @@ def successor_map(target_path: str | Path, cycle: list[int], shift: int) -> np.n
     ``cycle[i + shift]`` (exact on the cycle, which spans fewer than H dimensions)."""
     from safetensors.numpy import load_file
 
-    emb = load_file(str(Path(target_path) / "model.safetensors"))["model.embed_tokens.weight"].astype(np.float64)
+    state = load_file(str(Path(target_path) / "model.safetensors"))
+    emb = state[embedding_name(state)].astype(np.float64)
     rows = emb[cycle]
     rms = np.sqrt((rows**2).mean(-1, keepdims=True))
     a = (rows / rms).T  # [H, m]
@@ -254,26 +270,48 @@ def bigram_mtp(target_path: str | Path, cycle: list[int], path: str = "token", s
     return canonical
 
 
-# -- mixture-of-experts and MLA families -------------------------------------------------------
-FAMILY_LAYOUT = {"qwen3_next": "qwen", "deepseek_v3": "deepseek"}
+# -- mixture-of-experts, MLA and hybrid families ----------------------------------------------
+FAMILY_LAYOUT = {"qwen3_next": "qwen", "qwen3_5": "qwen", "qwen3_5_moe": "qwen", "deepseek_v3": "deepseek"}
+QWEN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
-def family_config(family: str, vocab_size: int, eos_token_id: int | None, **overrides):
-    """A tiny transformers config of ``family`` (qwen3_next: every layer full attention and MoE;
-    deepseek_v3: MLA, a dense first layer, then MoE with 4 expert groups)."""
+def hybrid_layer_types(num_layers: int) -> list[str]:
+    """The published Qwen3-Next / Qwen3.5 pattern: three Gated DeltaNet layers, then full attention."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def _qwen_text(family: str, vocab_size: int, eos_token_id: int | None, hybrid: bool, overrides: dict) -> dict:
+    args = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4 if hybrid else 2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=eos_token_id, bos_token_id=None,
+                pad_token_id=None)
+    if family != "qwen3_5":  # Qwen3.5 (dense) has a plain SwiGLU MLP; the others are MoE
+        args.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                    norm_topk_prob=True, decoder_sparse_step=1)
+    args.update(overrides)
+    n = args["num_hidden_layers"]
+    args["layer_types"] = hybrid_layer_types(n) if hybrid else ["full_attention"] * n
+    return args
+
+
+def family_config(family: str, vocab_size: int, eos_token_id: int | None, hybrid: bool = False, **overrides):
+    """A tiny transformers config of ``family``: qwen3_next (MoE), qwen3_5 (dense) or qwen3_5_moe
+    (the last two composite, with a tiny vision tower), every layer full attention or, with
+    ``hybrid``, three Gated DeltaNet layers to one full-attention layer (4 layers by default);
+    deepseek_v3: MLA, a dense first layer, then MoE with 4 expert groups."""
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        args = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2,
-                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                    norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=512, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                    tie_word_embeddings=False, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
-        args.update(overrides)
-        args["layer_types"] = ["full_attention"] * args["num_hidden_layers"]
-        return Qwen3NextConfig(**args)
+        return Qwen3NextConfig(**_qwen_text(family, vocab_size, eos_token_id, hybrid, overrides))
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        import transformers
+
+        cls = transformers.Qwen3_5Config if family == "qwen3_5" else transformers.Qwen3_5MoeConfig
+        text = _qwen_text(family, vocab_size, eos_token_id, hybrid, overrides)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+        return cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
     if family == "deepseek_v3":
         from transformers import DeepseekV3Config
 
@@ -289,22 +327,32 @@ def family_config(family: str, vocab_size: int, eos_token_id: int | None, **over
     raise ValueError(f"unknown family {family!r}")
 
 
-def build_family_target(path: str | Path, family: str, seed: int = 0, **overrides) -> Path:
-    """Save a random ``family`` causal LM (float32, safetensors, transformers' own saver) plus a
+def _model_class(family: str):
+    import transformers
+
+    if family == "qwen3_5":
+        return transformers.Qwen3_5ForConditionalGeneration  # the published composite layout
+    if family == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeForConditionalGeneration
+    return transformers.AutoModelForCausalLM
+
+
+def build_family_target(path: str | Path, family: str, seed: int = 0, hybrid: bool = False, **overrides) -> Path:
+    """Save a random ``family`` model (float32, safetensors, transformers' own saver) plus a
     tokenizer; loadable by transformers and mlx-lm (mlx-lm reads top-level ``rope_theta`` /
     ``partial_rotary_factor`` and, for Qwen3-Next, ``full_attention_interval`` instead of
-    ``layer_types``, so those are written too)."""
+    ``layer_types``, so those are written too). ``hybrid``: the Qwen families' 3 : 1 pattern."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from speculant.testing.tiny import build_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
-    config = family_config(family, len(tokenizer), tokenizer.eos_token_id, **overrides)
+    config = family_config(family, len(tokenizer), tokenizer.eos_token_id, hybrid=hybrid, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float()
+    cls = _model_class(family)
+    model = (cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -314,27 +362,39 @@ def build_family_target(path: str | Path, family: str, seed: int = 0, **override
                 b.normal_(0.0, 0.1)
     model.save_pretrained(str(path), safe_serialization=True)
     raw = target_config(path)
-    rope = raw.get("rope_parameters") or {}
-    raw.setdefault("rope_theta", rope.get("rope_theta", 10000.0))  # mlx-lm reads the top-level keys
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        raw["text_config"]["full_attention_interval"] = 4 if hybrid else 1  # mlx-lm's key for the pattern
+    else:
+        rope = raw.get("rope_parameters") or {}
+        raw.setdefault("rope_theta", rope.get("rope_theta", 10000.0))  # mlx-lm reads the top-level keys
     if family == "qwen3_next":
-        raw.update(full_attention_interval=1, partial_rotary_factor=rope.get("partial_rotary_factor", 1.0))
+        raw.update(full_attention_interval=4 if hybrid else 1, partial_rotary_factor=rope.get("partial_rotary_factor", 1.0))
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path
 
 
+def family_of(target_path: str | Path, updates: dict | None = None) -> str:
+    """The family (top-level ``model_type``) of a target folder, ``updates`` laid over its config."""
+    return {**target_config(target_path), **(updates or {})}["model_type"]
+
+
 def family_mtp_tensors(target_path: str | Path, num_layers: int = 1, seed: int = 0, scale: float = 1.0,
-                       packed: bool = False, norm_jitter: float = 0.1, fc: np.ndarray | None = None,
+                       packed: bool | None = None, norm_jitter: float = 0.1, fc: np.ndarray | None = None,
                        copies: bool = True, updates: dict | None = None) -> dict[str, np.ndarray]:
     """Random MTP weights of the target's family in the published names (raw Hugging Face:
-    Qwen norms stored as gain - 1). ``packed``: Qwen3.5-MoE's packed experts instead of
-    Qwen3-Next's per-expert tensors; ``fc``: the [H, 2H] input projection (random otherwise);
-    ``copies``: DeepSeek's embed_tokens / shared_head.head copies of the target's; ``updates``:
-    config keys laid over the target's (an MoE MTP folder for a dense target)."""
+    Qwen norms stored as gain - 1). ``packed``: packed experts instead of per-expert tensors
+    (default: packed for Qwen3.5-MoE, per-expert for Qwen3-Next); a dense Qwen3.5 target gets a
+    dense MTP MLP; ``fc``: the [H, 2H] input projection (random otherwise); ``copies``:
+    DeepSeek's embed_tokens / shared_head.head copies of the target's; ``updates``: config keys
+    laid over the target's (an MoE MTP folder for a dense target)."""
     from safetensors.numpy import load_file
 
-    tcfg = {**target_config(target_path), **(updates or {})}
-    family = tcfg["model_type"]
+    from speculant.core.validator import text_config
+
+    family = family_of(target_path, updates)
+    tcfg = {**text_config(target_config(target_path)), **(updates or {})}
     layout = FAMILY_LAYOUT[family]
+    packed = family == "qwen3_5_moe" if packed is None else packed
     H, nh = tcfg["hidden_size"], tcfg["num_attention_heads"]
     rng = np.random.default_rng(seed)
     offset = 1.0 if layout == "qwen" else 0.0
@@ -377,7 +437,7 @@ def family_mtp_tensors(target_path: str | Path, num_layers: int = 1, seed: int =
                         a + "q_proj.weight": w(2 * nh * hd, H), a + "k_proj.weight": w(tcfg["num_key_value_heads"] * hd, H),
                         a + "v_proj.weight": w(tcfg["num_key_value_heads"] * hd, H), a + "o_proj.weight": w(H, nh * hd),
                         a + "q_norm.weight": norm(hd), a + "k_norm.weight": norm(hd)})
-            out.update(moe(p))
+            out.update(moe(p) if tcfg.get("num_experts") else swiglu(p + "mlp.", tcfg["intermediate_size"]))
         return out
     target = load_file(str(Path(target_path) / "model.safetensors"))
     qk = tcfg["qk_nope_head_dim"] + tcfg["qk_rope_head_dim"]
@@ -404,17 +464,19 @@ def family_mtp_tensors(target_path: str | Path, num_layers: int = 1, seed: int =
 
 
 def build_family_mtp(target_path: str | Path, folder: str | Path | None = None, num_layers: int = 1, seed: int = 0,
-                     scale: float = 1.0, packed: bool = False, cycle: list[int] | None = None,
+                     scale: float = 1.0, packed: bool | None = None, cycle: list[int] | None = None,
                      updates: dict | None = None) -> Path:
     """The target family's MTP layers, in the target folder or in ``folder`` (whose config.json
     gets ``updates``). With the bigram ``cycle``, the input projection is the token path [M, 0]
-    (see :func:`bigram_mtp`), so drafts are right as far as the random block (``scale``) lets them be."""
-    tcfg = {**target_config(target_path), **(updates or {})}
-    layout = FAMILY_LAYOUT[tcfg["model_type"]]
+    (see :func:`bigram_mtp`), so drafts are right as far as the random block (``scale``) lets them be.
+    A composite (Qwen3.5) config gets ``mtp_num_hidden_layers`` under ``text_config``, as published."""
+    raw = {**target_config(target_path), **(updates or {})}
+    layout = FAMILY_LAYOUT[raw["model_type"]]
     fc = None
     if cycle is not None:
         m = successor_map(target_path, cycle, 0)
         fc = np.concatenate([m, np.zeros_like(m)], axis=1)
     tensors = family_mtp_tensors(target_path, num_layers, seed, scale, packed, norm_jitter=0.0 if cycle else 0.1, fc=fc,
                                  updates=updates)
-    return write_mtp(target_path, tensors, layout, num_layers, folder, config_updates=updates)
+    return write_mtp(target_path, tensors, layout, num_layers, folder, config_updates=updates,
+                     text_config=isinstance(raw.get("text_config"), dict))

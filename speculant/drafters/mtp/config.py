@@ -57,7 +57,10 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     "deepseek": {"hidden_tap": "post_norm", "recycle_hidden": "pre_norm", "norm_offset": 0.0},
 }
 COUNT_KEYS = {"qwen": "mtp_num_hidden_layers", "deepseek": "num_nextn_predict_layers"}
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_mtp")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text",
+                       "qwen3_5_mtp")
+# attention always gated by a per-head sigmoid (q_proj emits [query, gate]); their configs need not say attn_output_gate
+GATED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5_mtp")
 MAX_BLOCK_SIZE = 16  # anchor + up to 15 recursive drafts; acceptance decays fast beyond 3
 
 
@@ -550,7 +553,7 @@ def parse_mtp(folder: Path, target: TargetInfo, options: MTPOptions, separate: b
         rope_theta=rope["rope_theta"],
         partial_rotary_factor=rope["partial_rotary_factor"],
         attention_bias=bool(cfg.get("attention_bias", False)),
-        attn_output_gate=bool(cfg.get("attn_output_gate", model_type == "qwen3_next")),  # Qwen3-Next always gates
+        attn_output_gate=bool(cfg.get("attn_output_gate", model_type in GATED_MODEL_TYPES)),
         qk_norm=layout == "qwen" or model_type in QK_NORM_MODEL_TYPES or bool(cfg.get("use_qk_norm", False)),
         norm_offset=offset,
         hidden_tap=options.hidden_tap or defaults["hidden_tap"],
