@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,14 +11,14 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from speculant.core.config import EngineConfig, GenerationConfig, SamplingConfig
-from speculant.core.errors import ContextTooLongError, GenerationError, ValidationFailed
+from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
+from speculant.core.errors import ContextTooLongError, EngineBusyError, GenerationError, SettingError, ValidationFailed
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
 from speculant.core.lookup import DEFAULT_BLOCK_SIZE as LOOKUP_BLOCK_SIZE, PromptLookup
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, SamplingParams
-from speculant.core.validator import Report, validate
+from speculant.core.validator import Report, sampling_problems, validate
 
 
 @dataclass
@@ -27,7 +29,14 @@ class GenerationResult:
 
 
 class Engine:
-    """Generates with one model pairing; reuse it across prompts (weights load once)."""
+    """Generates with one model pairing; reuse it across prompts (weights load once).
+
+    One engine serves one request at a time. A second request while one is in flight (from
+    another thread, or a second generator while the first is still open) raises
+    :class:`~speculant.core.errors.EngineBusyError` at once instead of waiting, since a wait
+    inside one thread would never end; closing, exhausting or dropping a generator frees the
+    engine. Give each thread its own engine, or serialize the calls.
+    """
 
     def __init__(
         self,
@@ -51,6 +60,8 @@ class Engine:
         # each, so the drafter's work and the target's graph building no longer overlap. Off by
         # default; verifiers whose policy needs the seconds (``needs_timings``) force it on.
         self.time_phases = False
+        # Held while a request runs; engines sharing one target (without_drafter) share it too.
+        self._busy = threading.Lock()
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -80,6 +91,7 @@ class Engine:
         config = EngineConfig.load({**self.config.model_dump(), "drafter": {"kind": "none"}})
         engine = type(self)(config, self.backend, self.target, _make_verifier(config, self.registry), None, self.report)
         engine.registry = self.registry
+        engine._busy = self._busy
         return engine
 
     @property
@@ -114,8 +126,14 @@ class Engine:
         ``ignore_eos``) and ``block_size``. A text prompt is tokenized with the tokenizer's
         special tokens (BOS where the model uses one), as ``tokenizer(prompt)`` does; pass
         ``add_special_tokens=False`` for text that already has them (a rendered chat template).
+
+        Every setting goes through the config's checks: a bad one raises
+        :class:`~speculant.core.errors.SettingError` naming the field, before anything runs. The
+        engine serves one request at a time (see the class docstring): a call while another is in
+        flight raises :class:`~speculant.core.errors.EngineBusyError`.
         """
         add_special = overrides.pop("add_special_tokens", True)
+        self._check_idle()
         ids = self._prompt_ids(prompt, prompt_ids, add_special)
         sampling, generation, block = self._settings(max_new_tokens, overrides)
         return self._stream(ids, sampling, generation, block)
@@ -127,41 +145,63 @@ class Engine:
         return GenerationResult(text, list(self.last_token_ids), self.last_stats)
 
     # -- internals -------------------------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self._busy.locked():
+            raise EngineBusyError(_BUSY)
+
     def _prompt_ids(self, prompt: str | None, prompt_ids: Sequence[int] | None, add_special: bool = True) -> list[int]:
         if (prompt is None) == (prompt_ids is None):
-            raise ValueError("pass exactly one of prompt or prompt_ids")
+            raise SettingError("pass exactly one of prompt or prompt_ids", "prompt")
         if prompt_ids is None:
+            if not isinstance(prompt, str):
+                raise SettingError(f"prompt must be a string, got {type(prompt).__name__}; pass token ids as prompt_ids=",
+                                   "prompt")
             if self.tokenizer is None:
-                raise ValueError("the target folder has no tokenizer: pass prompt_ids instead of a text prompt")
+                raise SettingError("the target folder has no tokenizer: pass prompt_ids instead of a text prompt", "prompt")
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special) if prompt else []
-        ids = [int(t) for t in prompt_ids]
+        ids = _token_ids(prompt_ids)
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise SettingError("the prompt is empty: give at least one token", "prompt_ids" if prompt is None else "prompt")
         vocab = self.target.info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_ids contains ids outside the vocabulary 0..{vocab - 1}: {bad[:5]}")
+            raise SettingError(f"prompt_ids contains ids outside the vocabulary 0..{vocab - 1}: {bad[:5]}", "prompt_ids")
         return ids
 
     def _settings(self, max_new_tokens, overrides):
+        """This call's settings: the config's with ``overrides`` applied, through the same checks."""
         sampling_data = self.config.sampling.model_dump()
         generation_data = self.config.generation.model_dump()
-        block = overrides.pop("block_size", None) or self.block_size
+        block = overrides.pop("block_size", None)
         for key, value in overrides.items():
             if key in sampling_data:
                 sampling_data[key] = value
             elif key in generation_data:
                 generation_data[key] = value
             else:
-                raise TypeError(f"generate() got an unexpected setting {key!r}")
+                known = ", ".join(sorted([*sampling_data, *generation_data, "block_size", "max_new_tokens",
+                                          "add_special_tokens"]))
+                raise SettingError(f"generate() got an unexpected setting {key!r} (known: {known})", key)
         if max_new_tokens is not None:
             generation_data["max_new_tokens"] = max_new_tokens
-        sampling = SamplingConfig.model_validate(sampling_data)
-        generation = GenerationConfig.model_validate(generation_data)
+        sampling = _section(SamplingConfig, "sampling", sampling_data)
+        generation = _section(GenerationConfig, "generation", generation_data)
+        problems = sampling_problems(sampling)
+        if problems:
+            raise SettingError(f"{_argument(problems[0].field)}: {problems[0]}", problems[0].field)
+        return sampling, generation, self._block(block)
+
+    def _block(self, value: Any) -> int:
+        if value is None:
+            return self.block_size
+        block = _section(DrafterConfig, "drafter", {"block_size": value}).block_size
+        if not self.speculative:
+            return 1  # plain decoding; a config's block_size is likewise unused there
         limit = None if self.drafter is None else self.drafter.info.block_limit
-        if self.speculative and not 2 <= block <= (limit or block):
-            raise ValueError(f"block_size {block} is outside 2..{limit or 'any'}")
-        return sampling, generation, block
+        if block is None or not 2 <= block <= (limit or block):
+            raise SettingError(f"block_size: {value} is outside 2..{limit or 'any'} (one anchor plus at least one "
+                               "proposal, at most the draft's trained block)", "drafter.block_size")
+        return block
 
     def _stop_ids(self, generation: GenerationConfig) -> set[int]:
         ids = set(generation.stop_token_ids)
@@ -173,6 +213,14 @@ class Engine:
         return ids
 
     def _stream(self, prompt_ids, sampling_cfg, generation, block) -> Iterator[Chunk]:
+        if not self._busy.acquire(blocking=False):
+            raise EngineBusyError(_BUSY)
+        try:
+            yield from self._locked_stream(prompt_ids, sampling_cfg, generation, block)
+        finally:
+            self._busy.release()
+
+    def _locked_stream(self, prompt_ids, sampling_cfg, generation, block) -> Iterator[Chunk]:
         loop = _Loop(self, prompt_ids, sampling_cfg, generation, block)
         decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
         try:
@@ -190,6 +238,8 @@ class Engine:
             tail = decoder.flush()
             if tail:
                 yield Chunk(tail, [])
+        except KeyboardInterrupt:  # while decoding text: the same end as inside a cycle
+            loop.stop("interrupted")
         finally:
             loop.finish()
             self.last_stats = loop.stats
@@ -238,10 +288,10 @@ class _Loop:
 
     def cycles(self) -> Iterator[list[int]]:
         e = self.e
-        e.backend.reset_peak_memory()
-        e.target.reset()
-        e.verifier.begin(len(self.prompt_ids))
         try:
+            e.backend.reset_peak_memory()
+            e.target.reset()
+            e.verifier.begin(len(self.prompt_ids))
             out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids, self.capture), "target_s")
             first = self._verify(None, out.logits[-1:]).token_ids
             self._t_first = time.perf_counter()
@@ -254,7 +304,7 @@ class _Loop:
                 new = self._cycle(position, new[-1] if new else self.produced[-1])
                 position += len(new)
                 yield new
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C in any phase: the request ends with what was emitted
             self._stop_reason = "interrupted"
         except GenerationError as exc:
             self._stop_reason = "error"
@@ -352,6 +402,49 @@ class _Loop:
         s.stop_reason = self._stop_reason or "interrupted"
         s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
         s.verifier = self.e.verifier.decisions()
+
+
+_BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "
+         "that is still open); exhaust or close() that generator first, or give each thread its own engine")
+
+
+def _token_ids(values: Sequence[int]) -> list[int]:
+    """Integer token ids; floats and bools are refused rather than converted with ``int()``."""
+    if isinstance(values, (str, bytes)):
+        raise SettingError("prompt_ids must be a sequence of integer token ids, not a string", "prompt_ids")
+    try:
+        items = list(values)
+    except TypeError:
+        raise SettingError(f"prompt_ids must be a sequence of integer token ids, got {type(values).__name__}",
+                           "prompt_ids") from None
+    ids = []
+    for t in items:
+        if isinstance(t, bool) or "bool" in type(t).__name__ or "bool" in str(getattr(t, "dtype", "")):
+            raise SettingError(f"prompt_ids must hold integer token ids, got a boolean {t!r}", "prompt_ids")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise SettingError(f"prompt_ids must hold integer token ids, got {t!r} ({type(t).__name__})",
+                               "prompt_ids") from None
+    return ids
+
+
+def _section(model, name: str, data: dict):
+    """``model.model_validate(data)``, its errors as a SettingError naming the field."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join([name, *map(str, err["loc"])])
+        raise SettingError(f"{_argument(field)}: {field}: {err['msg']}", field) from None
+
+
+def _argument(field: str) -> str:
+    """The keyword argument that sets a config field this call: ``sampling.top_p`` -> ``top_p``."""
+    key = field.split(".")[1] if "." in field else field
+    return f"generate(..., {key}=...)"
 
 
 def _make_verifier(config: EngineConfig, registry) -> Verifier:

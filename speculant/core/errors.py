@@ -8,7 +8,23 @@ class SpeculantError(Exception):
 
 
 class ConfigError(SpeculantError):
-    """A configuration file or value is malformed."""
+    """A configuration file or value is malformed; ``field`` names the field when it is one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class SettingError(ConfigError, ValueError):
+    """A per-call argument of ``Engine.generate`` / ``Engine.run`` is invalid (a bad override,
+    prompt or prompt_ids); ``field`` names the config field (or ``prompt`` / ``prompt_ids``)."""
+
+
+class EngineBusyError(SpeculantError, RuntimeError):
+    """The engine is already generating (another thread, or another generator still open).
+
+    One engine serves one request at a time: close or exhaust the first generator, or give
+    each thread its own engine."""
 
 
 class ValidationFailed(SpeculantError):

@@ -7,11 +7,12 @@ them at once. Plugins add their own checks through the ``check_pairing`` hook.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, parse_quantization
+from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
 from speculant.core.errors import ConfigError
 from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
 
@@ -128,6 +129,7 @@ def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> 
     config = EngineConfig.load(config)
     report = Report()
     add = report.problems.append
+    _check_plugins(registry, add)
 
     backend_cls = registry.backends.get(config.backend.kind)
     if backend_cls is None:
@@ -139,6 +141,8 @@ def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> 
         if config.backend.dtype not in backend_cls.supported_dtypes():
             add(Problem("backend.dtype", f"{config.backend.dtype!r} is not supported by the {config.backend.kind} backend",
                         f"use one of {', '.join(backend_cls.supported_dtypes())}"))
+        elif not reason:
+            _check_device(config, backend_cls, add)
 
     target = _check_target(config, add)
     report.target = target
@@ -188,13 +192,58 @@ def _check_rollback(config: EngineConfig, target: TargetInfo, backend_cls, add) 
 
 
 def _check_sampling(config: EngineConfig, add) -> None:
-    s = config.sampling
-    if not s.temperature >= 0:
-        add(Problem("sampling.temperature", f"{s.temperature} is negative or NaN", "use 0 for greedy decoding or a positive value"))
+    for problem in sampling_problems(config.sampling):
+        add(problem)
+
+
+def sampling_problems(s: SamplingConfig) -> list[Problem]:
+    """What is wrong with sampling settings (a config's, or one call's overrides applied)."""
+    problems = []
+    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
+        problems.append(Problem("sampling.temperature", f"{s.temperature} is negative, infinite or NaN",
+                                "use 0 for greedy decoding or a finite positive value"))
     if not 0 < s.top_p <= 1:
-        add(Problem("sampling.top_p", f"{s.top_p} is outside (0, 1]", "use a value in (0, 1]; 1 disables nucleus sampling"))
+        problems.append(Problem("sampling.top_p", f"{s.top_p} is outside (0, 1]",
+                                "use a value in (0, 1]; 1 disables nucleus sampling"))
     if s.top_k < 0:
-        add(Problem("sampling.top_k", f"{s.top_k} is negative", "use 0 to disable top-k or a positive count"))
+        problems.append(Problem("sampling.top_k", f"{s.top_k} is negative", "use 0 to disable top-k or a positive count"))
+    if s.seed is not None and s.seed < 0:
+        problems.append(Problem("sampling.seed", f"{s.seed} is negative", "use a non-negative integer, or leave it unset"))
+    return problems
+
+
+def _check_device(config: EngineConfig, backend_cls, add) -> None:
+    """An explicit device must exist here: the backend resolves it now, not at load time."""
+    if config.backend.device in ("auto", ""):
+        return
+    try:
+        backend_cls(config.backend)
+    except Exception as exc:  # each backend raises its own type for an unknown or absent device
+        add(Problem("backend.device", f"{config.backend.device!r} cannot be used by the {config.backend.kind} "
+                    f"backend here: {exc}", "use 'auto' or 'cpu', or a device this machine has"))
+
+
+def _check_plugins(registry, add) -> None:
+    """A plugin asked for by name (``-p MODULE``) that failed to load is an error. An installed
+    one that failed only matters when a name it would register is used, which the kind checks
+    report (with the failure) through ``missing_hint``."""
+    for record in getattr(registry, "failed_plugins", lambda: [])():
+        if record.distribution == "command line":
+            add(Problem("plugins", f"plugin {record.source} failed to load: {record.error}",
+                        "fix the module or drop -p (speculant plugins -p MODULE --traceback shows why)"))
+
+
+def _check_options(section: str, kind: str, options_model, options: dict, add) -> None:
+    """A plugin's options: checked by its model, or none allowed when it declares none."""
+    if options_model is None:
+        if options:
+            add(Problem(f"{section}.options", f"the {kind} {section} takes no options; unknown key(s): "
+                        f"{', '.join(map(str, options))}", f"remove {section}.options"))
+        return
+    try:
+        options_model.model_validate(options)
+    except Exception as exc:
+        add(Problem(f"{section}.options", f"invalid options for {kind}: {exc}", f"see the {section}'s documentation"))
 
 
 def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, add) -> DrafterInfo | None:
@@ -206,15 +255,17 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
     if config.backend.kind not in factory.backends:
         add(Problem("drafter.kind", f"the {d.kind} drafter does not support the {config.backend.kind} backend",
                     f"use backend.kind one of {', '.join(factory.backends)}"))
-    if factory.options_model is not None:
-        try:
-            factory.options_model.model_validate(d.options)
-        except Exception as exc:
-            add(Problem("drafter.options", f"invalid options for {d.kind}: {exc}", "see the drafter's documentation"))
+    _check_options("drafter", d.kind, factory.options_model, d.options, add)
     _check_quantization(config, add)
     if target is None:
         return None
-    info, problems = factory.describe(d, target, config.backend.kind)
+    try:
+        info, problems = factory.describe(d, target, config.backend.kind)
+    except Exception as exc:  # a plugin's bug must not become the validator's traceback
+        origin = registry.origin("drafters", d.kind) if hasattr(registry, "origin") else "its plugin"
+        add(Problem("drafter.kind", f"the {d.kind} drafter ({origin}) raised {type(exc).__name__} while reading "
+                    f"its checkpoint: {exc}", "report this to the plugin's authors, or use another drafter"))
+        return None
     for p in problems:
         add(p)
     if info is None:
@@ -295,8 +346,4 @@ def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, registry,
         if wanted and config.sampling.temperature > 0:
             add(Problem("verifier.kind", f"the {kind} verifier does not accept {', '.join(k.value for k in wanted)} proposals from the {drafter.kind} drafter",
                         "use verifier.kind = 'speculative_sampling'"))
-    if cls.options_model is not None:
-        try:
-            cls.options_model.model_validate(config.verifier.options)
-        except Exception as exc:
-            add(Problem("verifier.options", f"invalid options for {kind}: {exc}", "see the verifier's documentation"))
+    _check_options("verifier", kind, cls.options_model, config.verifier.options, add)

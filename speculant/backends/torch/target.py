@@ -106,8 +106,10 @@ class TorchTarget(TargetModel):
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )
-        finally:
-            features, final = self._recorder.finish(capture)
+        except BaseException:  # e.g. Ctrl-C inside the forward: stop recording, keep the original error
+            self._recorder.finish(Capture())
+            raise
+        features, final = self._recorder.finish(capture)
         return ForwardOutput(logits=out.logits[0], features=features, final_hidden=final)
 
     def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
