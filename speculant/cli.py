@@ -1,7 +1,9 @@
 """The ``speculant`` command: ``generate``, ``validate``, ``check``, ``plugins``, ``bench`` and ``train``.
 
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
-line (or a short list) and exit 2; ``SPECULANT_DEBUG=1`` shows the traceback instead.
+line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
+``SPECULANT_DEBUG=1``) shows the traceback instead. Ctrl-C ends generation with what was
+produced, prints the statistics and exits 130.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from dataclasses import asdict
 from typing import Any, Sequence
 
@@ -35,6 +39,7 @@ OVERRIDES = {
     "verifier": "verifier.kind",
 }
 INTERRUPTED_EXIT = 130
+INTERRUPTED = threading.Event()  # set by Ctrl-C even where Python swallows the KeyboardInterrupt
 
 
 class UsageError(SpeculantError):
@@ -45,7 +50,9 @@ class UsageError(SpeculantError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
     parser.add_argument("--version", action="version", version=f"speculant {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of errors")
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of errors")
     common.add_argument("-p", "--plugin", action="append", default=[], metavar="MODULE",
                         help="also load this importable module as a plugin (repeatable)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -201,6 +208,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = build_config(args)
     prompt = read_prompt(args)
     engine = Engine.from_config(config, registry=load_registry(args))
+    if INTERRUPTED.is_set():  # Ctrl-C while loading that Python swallowed (e.g. inside a __del__)
+        raise KeyboardInterrupt
     for problem in engine.report.warnings if engine.report else []:
         warn(str(problem))
     if args.chat:
@@ -262,6 +271,8 @@ def stream(engine: Any, prompt: str, add_special_tokens: bool = True):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 ended_with_newline = chunk.text.endswith("\n")
+            if INTERRUPTED.is_set():  # the KeyboardInterrupt itself was lost somewhere
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         chunks.close()  # runs the engine's cleanup, which records the stats
     if not ended_with_newline and sys.stdout.isatty():
@@ -332,15 +343,43 @@ def quiet_third_party() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if os.environ.get("SPECULANT_DEBUG") != "1":
+    debug = args.debug or os.environ.get("SPECULANT_DEBUG") == "1"
+    if not debug:
         quiet_third_party()
+    restore = _watch_interrupts()
     try:
         return args.func(args)
     except SpeculantError as exc:
-        if os.environ.get("SPECULANT_DEBUG") == "1":
+        if debug:
             raise
         print(f"speculant: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before generation started (e.g. while loading weights)
         print("speculant: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except Exception as exc:  # not one of speculant's own errors: still one line, not a traceback
+        if debug:
+            raise
+        print(f"speculant: error: {type(exc).__name__}: {exc} (run with --debug for the traceback; "
+              "if the input was valid, please report it)", file=sys.stderr)
+        return 1
+    finally:
+        restore()
+
+
+def _watch_interrupts():
+    """Note every Ctrl-C in ``INTERRUPTED`` as well as raising KeyboardInterrupt: Python drops a
+    KeyboardInterrupt raised inside a ``__del__`` or a callback, and the flag still ends the run."""
+    INTERRUPTED.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # ignored or default: leave it so
+        return lambda: None
+
+    def on_interrupt(signum, frame):
+        INTERRUPTED.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    return lambda: signal.signal(signal.SIGINT, previous)
