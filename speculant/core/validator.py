@@ -14,6 +14,7 @@ from typing import Any
 
 from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
 from speculant.core.errors import ConfigError
+from speculant.core.target_check import target_tensor_problems
 from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
 
 
@@ -174,10 +175,13 @@ def _check_target(config: EngineConfig, add) -> TargetInfo | None:
         add(Problem("target.path", f"{path} holds no *.safetensors weights (pickled .bin files are never loaded)",
                     "convert the weights to safetensors"))
     try:
-        return read_target_info(path)
+        info = read_target_info(path)
     except ConfigError as exc:
         add(Problem("target.path", str(exc), "fix the target's config.json"))
         return None
+    for message in target_tensor_problems(path, info):
+        add(Problem("target.path", f"{path}: {message}", "download or copy the checkpoint again"))
+    return info
 
 
 def _check_rollback(config: EngineConfig, target: TargetInfo, backend_cls, add) -> None:

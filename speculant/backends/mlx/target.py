@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -127,7 +128,8 @@ class MLXTarget(TargetModel):
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
         from mlx_lm.utils import load_model
 
-        model, _ = load_model(Path(path), lazy=True)
+        with checkpoint_errors(path):
+            model, _ = load_model(Path(path), lazy=True)
         if backend.dtype is not None:
             model.set_dtype(backend.dtype)
         mx.eval(model.parameters())

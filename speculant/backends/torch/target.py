@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from speculant.backends.torch.loading import load_causal_lm, logit_transform
+from speculant.backends.torch.loading import logit_transform
+from speculant.backends.torch.strict import load_strict
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -85,7 +86,7 @@ class TorchTarget(TargetModel):
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
-        model, _loading = load_causal_lm(path, backend.dtype)
+        model, _loading = load_strict(path, backend.dtype)  # a damaged checkpoint stops here, naming tensors
         model.to(backend._device)
         return cls(model, load_tokenizer(path), info, backend)
 
