@@ -8,6 +8,10 @@ from speculant.core.interfaces import Backend
 from speculant.core.types import TargetInfo
 
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# Layer kinds the torch target rolls back exactly after a rejected block (rollback.py); Gated
+# DeltaNet linear attention only in the families whose delta rule the target records.
+_ROLLED_BACK = ("full_attention", "sliding_attention")
+GATED_DELTANET_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
 class TorchBackend(Backend):
@@ -34,6 +38,19 @@ class TorchBackend(Backend):
     @classmethod
     def supported_dtypes(cls) -> tuple[str, ...]:
         return _DTYPE_NAMES
+
+    @classmethod
+    def rollback_problem(cls, target: TargetInfo) -> str | None:
+        gated_deltanet = target.model_type in GATED_DELTANET_FAMILIES
+        kinds = dict.fromkeys(target.layer_types or ("full_attention",))
+        refused = [k for k in kinds if k not in _ROLLED_BACK and not (k == "linear_attention" and gated_deltanet)]
+        if not refused:
+            return None
+        return (
+            f"the torch backend cannot roll back {', '.join(refused)} layers (target family {target.model_type}) "
+            "after a rejected block; it rolls back full_attention, sliding_attention and the Gated DeltaNet "
+            f"linear_attention of {', '.join(GATED_DELTANET_FAMILIES)}"
+        )
 
     @property
     def device(self) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch.strict import load_strict
+from speculant.backends.torch.rollback import RollbackCache, install_recording
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -69,14 +70,13 @@ class _Recorder:
 
 class TorchTarget(TargetModel):
     def __init__(self, model, tokenizer, info: TargetInfo, backend) -> None:
-        from transformers import DynamicCache
-
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
         self.backend = backend
-        self._cache_cls = DynamicCache
-        self.cache = DynamicCache(config=model.config)
+        self._cache_cls = RollbackCache
+        self.cache = RollbackCache(config=model.config)
+        install_recording(model)
         _, layers, norm = decoder_parts(model)
         self._recorder = _Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
@@ -115,15 +115,21 @@ class TorchTarget(TargetModel):
 
     def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
         ids = self.backend.int_array(token_ids)
-        return self._run(ids, capture, logits_to_keep=1)
+        out = self._run(ids, capture, logits_to_keep=1)
+        self.cache.rollback(0)  # sliding / convolution buffers back to what the next forward needs
+        return out
 
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
-        return self._run(token_ids, capture, logits_to_keep=0)
+        """Verify a block: the cache keeps what a crop to any prefix of it needs (see rollback.py)."""
+        with self.cache.verifying():
+            self.cache.block_length += int(token_ids.shape[0])
+            return self._run(token_ids, capture, logits_to_keep=0)
 
+    @torch.inference_mode()
     def crop(self, length: int) -> None:
-        excess = self.cache_length - length
-        if excess > 0:
-            self.cache.crop(-excess)
+        """Roll back to the first ``length`` positions (at most the last block); also trims the
+        sliding-window and convolution buffers, so it follows every forward."""
+        self.cache.rollback(max(0, self.cache_length - length))
 
     @torch.inference_mode()
     def embed(self, token_ids) -> torch.Tensor:
