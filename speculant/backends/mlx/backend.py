@@ -47,6 +47,12 @@ class MLXBackend(Backend):
     def supported_dtypes(cls) -> tuple[str, ...]:
         return _DTYPE_NAMES
 
+    @classmethod
+    def rollback_problem(cls, target: TargetInfo) -> str | None:
+        from speculant.backends.mlx.families import rollback_problem
+
+        return rollback_problem(target)
+
     @property
     def device(self) -> str:
         return self._device

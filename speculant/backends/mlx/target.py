@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from speculant.backends.mlx import families
+from speculant.backends.mlx.caches import forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
@@ -119,6 +121,7 @@ class MLXTarget(TargetModel):
         self.backend = backend
         self._inner = text_model(model)
         self._recorder = install_taps(model)
+        self._delta_layers = install_delta_taps(self._inner.layers)
         self._head = _output_head(model, self._inner)
         self._embed_scale = getattr(self._inner, "embed_scale", None)
         self._length = 0
@@ -126,10 +129,8 @@ class MLXTarget(TargetModel):
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
-        from mlx_lm.utils import load_model
-
         with checkpoint_errors(path):
-            model, _ = load_model(Path(path), lazy=True)
+            model = families.load(Path(path), info)
         if backend.dtype is not None:
             model.set_dtype(backend.dtype)
         mx.eval(model.parameters())
@@ -137,9 +138,7 @@ class MLXTarget(TargetModel):
 
     # -- cache -----------------------------------------------------------------------------
     def _new_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        return make_prompt_cache(self.model)
+        return target_cache(self.model, self.info.sliding_window)
 
     @property
     def cache_length(self) -> int:
@@ -150,17 +149,13 @@ class MLXTarget(TargetModel):
         self._length = 0
 
     def crop(self, length: int) -> None:
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
+        """Keep the first ``length`` positions; within the last forward's block (see caches.py)."""
         excess = self._length - length
-        if excess <= 0:
-            return
-        if not can_trim_prompt_cache(self.cache):
-            kinds = sorted({type(c).__name__ for c in self.cache if not c.is_trimmable()})
-            raise NotImplementedError(f"this target's cache ({', '.join(kinds)}) cannot be rolled back; "
-                                      "recurrent (GatedDeltaNet) targets are not supported on MLX yet")
-        trim_prompt_cache(self.cache, excess)
-        self._length = length
+        if excess > 0:
+            for c in self.cache:
+                c.trim(excess)
+            self._length = length
+        forget_all(self.cache)
 
     # -- forwards --------------------------------------------------------------------------
     def _run(self, ids: mx.array, capture: Capture) -> tuple[mx.array, mx.array | None, mx.array | None]:
@@ -192,7 +187,12 @@ class MLXTarget(TargetModel):
         return out
 
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
-        logits, features, final = self._run(token_ids, capture)
+        if self._delta_layers and int(token_ids.shape[0]) > 1:
+            with recording(self.cache):  # per-position DeltaNet states, for crop
+                logits, features, final = self._run(token_ids, capture)
+        else:
+            forget_all(self.cache)  # a one-token step leaves nothing to roll back to
+            logits, features, final = self._run(token_ids, capture)
         out = ForwardOutput(logits=logits, features=features, final_hidden=final)
         _schedule(out)
         return out
