@@ -144,7 +144,8 @@ def load_model(cls, source, what: str, format_errors):
     try:
         config = cls.model_validate(source)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc)) from None
+        first = exc.errors()[0]["loc"] if exc.errors() else ()
+        raise ConfigError(format_errors(exc), ".".join(map(str, first)) or None) from None
     return config.resolved_paths(base) if base else config
 
 

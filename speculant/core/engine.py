@@ -151,21 +151,22 @@ class Engine:
 
     def _prompt_ids(self, prompt: str | None, prompt_ids: Sequence[int] | None, add_special: bool = True) -> list[int]:
         if (prompt is None) == (prompt_ids is None):
-            raise SettingError("pass exactly one of prompt or prompt_ids", "prompt")
+            raise SettingError("prompt / prompt_ids: pass exactly one of prompt or prompt_ids", "prompt")
         if prompt_ids is None:
             if not isinstance(prompt, str):
-                raise SettingError(f"prompt must be a string, got {type(prompt).__name__}; pass token ids as prompt_ids=",
+                raise SettingError(f"prompt: must be a string, got {type(prompt).__name__}; pass token ids as prompt_ids=",
                                    "prompt")
             if self.tokenizer is None:
-                raise SettingError("the target folder has no tokenizer: pass prompt_ids instead of a text prompt", "prompt")
+                raise SettingError("prompt: the target folder has no tokenizer: pass prompt_ids instead of a text prompt", "prompt")
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special) if prompt else []
         ids = _token_ids(prompt_ids)
         if not ids:
-            raise SettingError("the prompt is empty: give at least one token", "prompt_ids" if prompt is None else "prompt")
+            field = "prompt_ids" if prompt is None else "prompt"
+            raise SettingError(f"{field}: the prompt is empty: give at least one token", field)
         vocab = self.target.info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise SettingError(f"prompt_ids contains ids outside the vocabulary 0..{vocab - 1}: {bad[:5]}", "prompt_ids")
+            raise SettingError(f"prompt_ids: contains ids outside the vocabulary 0..{vocab - 1}: {bad[:5]}", "prompt_ids")
         return ids
 
     def _settings(self, max_new_tokens, overrides):
@@ -411,20 +412,20 @@ _BUSY = ("this engine is already generating (another thread, or a generator from
 def _token_ids(values: Sequence[int]) -> list[int]:
     """Integer token ids; floats and bools are refused rather than converted with ``int()``."""
     if isinstance(values, (str, bytes)):
-        raise SettingError("prompt_ids must be a sequence of integer token ids, not a string", "prompt_ids")
+        raise SettingError("prompt_ids: must be a sequence of integer token ids, not a string", "prompt_ids")
     try:
         items = list(values)
     except TypeError:
-        raise SettingError(f"prompt_ids must be a sequence of integer token ids, got {type(values).__name__}",
+        raise SettingError(f"prompt_ids: must be a sequence of integer token ids, got {type(values).__name__}",
                            "prompt_ids") from None
     ids = []
     for t in items:
         if isinstance(t, bool) or "bool" in type(t).__name__ or "bool" in str(getattr(t, "dtype", "")):
-            raise SettingError(f"prompt_ids must hold integer token ids, got a boolean {t!r}", "prompt_ids")
+            raise SettingError(f"prompt_ids: must hold integer token ids, got a boolean {t!r}", "prompt_ids")
         try:
             ids.append(operator.index(t))
         except TypeError:
-            raise SettingError(f"prompt_ids must hold integer token ids, got {t!r} ({type(t).__name__})",
+            raise SettingError(f"prompt_ids: must hold integer token ids, got {t!r} ({type(t).__name__})",
                                "prompt_ids") from None
     return ids
 
