@@ -207,3 +207,39 @@ def build_tiny_pair(root: str | Path, planted: float = 0.0, seed: int = 0, **dra
     target = build_tiny_target(root / "target", seed=seed, planted=planted)
     draft = build_tiny_dflash(root / "draft", target, seed=seed + 7, **draft_kwargs)
     return target, draft
+
+
+RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+GEMMA_POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+
+
+def plant_checkpoint(target_path: str | Path, strength: float = 4.0, soften: float = 0.5, seed: int = 0,
+                     token: int | None = None) -> int:
+    """:func:`plant_bias` on a saved target of any family (composite checkpoints included), and
+    every residual write of its layers (attention, Gated DeltaNet and MLP outputs; Gemma's
+    zero-centred post-norm gains) scaled by ``soften``, so the target follows the planted token
+    part of the time. Returns the planted token."""
+    from safetensors.numpy import load_file, save_file
+
+    file = Path(target_path) / "model.safetensors"
+    state = load_file(str(file))
+    emb_name = next(n for n in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight") if n in state)
+    gemma = target_text_config(target_path).get("model_type", "").startswith("gemma")
+    for name in state:
+        if ".visual." in name or ".vision_tower." in name:
+            continue
+        if name.endswith(RESIDUAL_WRITERS) and not gemma:
+            state[name] = (state[name] * soften).astype(np.float32)
+        elif gemma and name.endswith(GEMMA_POST_NORMS):
+            state[name] = ((1.0 + state[name]) * soften - 1.0).astype(np.float32)
+    emb = state[emb_name]
+    rng = np.random.default_rng(seed + 1)
+    u = rng.standard_normal(emb.shape[1]).astype(np.float32)
+    u /= np.linalg.norm(u)
+    token = int(token if token is not None else emb.shape[0] // 2)
+    state[emb_name] = (emb + u * strength * np.linalg.norm(emb, axis=1).mean()).astype(np.float32)
+    if "lm_head.weight" in state:
+        head = state["lm_head.weight"]
+        head[token] = u * strength * np.linalg.norm(head, axis=1).mean() * 4
+    save_file(state, str(file), metadata={"format": "pt"})
+    return token
