@@ -1,7 +1,8 @@
 """DFlash / DFlash2 checkpoint config: read config.json, apply the published lookup rules.
 
 Lookup: ``dflash_config.<key>`` first, then the top-level key, then the default. The strict
-rule (the reference MLX loader's) takes DFlash keys from ``dflash_config`` only.
+rule (the reference MLX loader's) takes DFlash keys from ``dflash_config`` only. A Muse Glimmer
+assistant (``model_type: muse_glimmer_assistant``) is read through :mod:`.muse_glimmer`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from speculant.core.checkpoint import compare_inventory, tensor_inventory
 from speculant.core.errors import CheckpointError
 from speculant.core.validator import Problem
+from speculant.drafters.dflash import muse_glimmer
 
 DFLASH_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",
                "output_multiplier", "final_logit_softcapping")
@@ -32,7 +34,7 @@ class DFlashConfig:
     vocab_size: int | None
     rms_norm_eps: float
     max_position_embeddings: int | None
-    num_target_layers: int
+    num_target_layers: int | None  # None: the checkpoint does not say (a Muse Glimmer assistant)
     target_layer_ids: list[int]
     mask_token_id: int
     block_size: int
@@ -48,7 +50,12 @@ class DFlashConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    layout: str = "dflash"  # or muse_glimmer.MODEL_TYPE: tensor names, embedding rows without embed_norm
     raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_muse_glimmer(self) -> bool:
+        return self.layout == muse_glimmer.MODEL_TYPE
 
     @property
     def is_dflash2(self) -> bool:
@@ -107,6 +114,11 @@ def parse_config(path: str | Path, strict: bool = False) -> tuple[DFlashConfig |
     except ValueError as exc:
         return None, [Problem(where, f"{file} is not valid JSON: {exc}", "fix or re-download the draft's config.json")]
     problems: list[Problem] = []
+    layout = "dflash"
+    if muse_glimmer.is_assistant(raw):
+        layout = muse_glimmer.MODEL_TYPE
+        problems += muse_glimmer.config_problems(raw)
+        raw = muse_glimmer.dflash_raw(raw)
 
     def need(key: str, kind=int, dflash_key: bool = False):
         value = _lookup(raw, key, None, strict) if dflash_key else raw.get(key)
@@ -129,7 +141,7 @@ def parse_config(path: str | Path, strict: bool = False) -> tuple[DFlashConfig |
     kv_heads = raw.get("num_key_value_heads", heads)
     head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
     inter = need("intermediate_size")
-    num_target_layers = need("num_target_layers")
+    num_target_layers = None if layout == muse_glimmer.MODEL_TYPE else need("num_target_layers")
     mask = need("mask_token_id", dflash_key=True)
     layer_ids = _lookup(raw, "target_layer_ids", None, strict)
     if layer_ids is None and not strict and num_target_layers and layers:
@@ -187,6 +199,7 @@ def parse_config(path: str | Path, strict: bool = False) -> tuple[DFlashConfig |
         output_multiplier=float(_lookup(raw, "output_multiplier", 1.0, strict)),
         final_logit_softcapping=float(softcap) if softcap else None,
         rope=rope_settings(raw),
+        layout=layout,
         raw=raw,
         **{k: v for k, v in extras.items() if v is not None},
     )

@@ -22,11 +22,25 @@ class DFlashFactory(DrafterFactory):
         cfg, problems = parse_config(config.path, strict=backend == "mlx")
         if cfg is None:
             return None, problems
+        if cfg.is_muse_glimmer:
+            return self.describe_muse_glimmer(config, cfg, target, backend)
         if cfg.architecture != self.architecture:
             other = "dflash2" if cfg.is_dflash2 else "dflash"
             return None, [Problem("drafter.kind", f"{config.path} is a {cfg.architecture} checkpoint",
                                   f"set drafter.kind = '{other}'")]
         return self.info(cfg), self.check_tensors(config.path, cfg)
+
+    def describe_muse_glimmer(self, config, cfg, target, backend):
+        """A Muse Glimmer assistant: its target family and backend, then its tensors."""
+        from speculant.drafters.dflash import muse_glimmer
+
+        if self.architecture != "DFlashDraftModel":
+            return None, [Problem("drafter.kind", f"{config.path} is a {muse_glimmer.MODEL_TYPE} checkpoint",
+                                  "set drafter.kind = 'dflash'")]
+        problems = muse_glimmer.target_problems(target, backend)
+        if target is not None:
+            cfg.num_target_layers = target.num_hidden_layers
+        return self.info(cfg), problems + self.check_tensors(config.path, cfg)
 
     def check_tensors(self, path, cfg) -> list[Problem]:
         """Problems with the safetensors headers (names, shapes) against the expected layout."""
@@ -35,9 +49,11 @@ class DFlashFactory(DrafterFactory):
         return check_tensors(path, cfg, self.expected_tensors(cfg))
 
     def expected_tensors(self, cfg):
+        from speculant.drafters.dflash import muse_glimmer
         from speculant.drafters.dflash.config import expected_tensors
 
-        return expected_tensors(cfg)
+        expected = expected_tensors(cfg)
+        return muse_glimmer.disk_names(expected) if cfg.is_muse_glimmer else expected
 
     def info(self, cfg) -> DrafterInfo:
         return DrafterInfo(

@@ -258,6 +258,14 @@ class _BlockSlot:
         return c.keys[i][:, first:end + k.shape[1]], c.values[i][:, first:end + v.shape[1]]
 
 
+def embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's embedding table rows for ``ids``, without the weightless ``embed_norm`` a
+    Muse Glimmer embedding applies on lookup: transformers' DFlash generation bypasses it for
+    the block's rows, so the assistant was trained on bare rows."""
+    module = target.model.get_input_embeddings()
+    return F.embedding(ids, module.weight)
+
+
 class TorchDFlashDrafter(Drafter):
     """Drafter protocol over :class:`DFlashModel`, borrowing the target's embedding and head."""
 
@@ -294,7 +302,7 @@ class TorchDFlashDrafter(Drafter):
         ctx_cos, ctx_sin = m.rotary.span(self.context_length, n_ctx, dtype, device)
         cos, sin = m.rotary.span(request.position, k + 1, dtype, device)
         ids = self._block_ids(request.anchor_id, k)
-        x = self.target.embed(ids).to(dtype)
+        x = self._embed(ids).to(dtype)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         cache = self.cache
@@ -307,12 +315,20 @@ class TorchDFlashDrafter(Drafter):
         self.context_length += n_ctx
         return m.norm(x[1:])
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.cfg.is_muse_glimmer:
+            return embedding_rows(self.target, ids)
+        return self.target.embed(ids)
+
     def _block_ids(self, anchor: int, k: int) -> torch.Tensor:
         ids = self.backend.int_array([anchor] + [self.cfg.mask_token_id] * k)
         return ids
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.target.lm_head(hidden.to(self.backend.dtype)).float()  # a quantized draft may compute in another dtype
+        hidden = hidden.to(self.backend.dtype)  # a quantized draft may compute in another dtype
+        if self.cfg.is_muse_glimmer:  # transformers' DFlash drafts with the bare head, before the target's logit transform
+            return self.target.model.get_output_embeddings()(hidden).float()
+        logits = self.target.lm_head(hidden).float()
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

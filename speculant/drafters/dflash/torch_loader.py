@@ -53,6 +53,9 @@ def place_and_quantize(model, config, info, backend):
 def load_torch_drafter(config, info, backend, target):
     from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashDrafter
 
-    model = DFlashModel(info.extra["config"])
-    load_into(model, config.path)
+    from speculant.drafters.dflash import muse_glimmer
+
+    cfg = info.extra["config"]
+    model = DFlashModel(cfg)
+    load_into(model, config.path, rename=muse_glimmer.TENSOR_NAMES if cfg.is_muse_glimmer else None)
     return TorchDFlashDrafter(place_and_quantize(model, config, info, backend), info, target, backend)

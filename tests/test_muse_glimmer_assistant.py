@@ -1,0 +1,167 @@
+"""Muse Glimmer's own DFlash assistant (``muse_glimmer_assistant``) as speculant's dflash drafter.
+
+On one tiny random Muse Glimmer target and assistant (a planted bias, so drafts are partly
+accepted), speculant's greedy output equals transformers' native DFlash ``generate`` and its
+plain greedy, and every full-block draft and its acceptance length equal transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers.models.muse_glimmer_assistant")
+
+import torch  # noqa: E402
+from transformers.generation import candidate_generator  # noqa: E402
+
+import speculant  # noqa: E402
+from speculant.core.validator import validate  # noqa: E402
+from engine_recording import run_recording_proposals  # noqa: E402
+
+NEW_TOKENS = 64
+BLOCK = 16
+PROMPTS = {
+    "shorter_than_windows": [5, 6, 7, 8, 9],  # assistant window 8, target window 16
+    "longer_than_windows": list(range(20, 60)),
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, torch_threads):
+    from speculant.testing.tiny_muse_glimmer import build_tiny_muse_glimmer_pair
+
+    target, assistant = build_tiny_muse_glimmer_pair(tmp_path_factory.mktemp("muse_glimmer"), planted=1.5)
+    return {"target": target, "assistant": assistant}
+
+
+def config_for(target, assistant=None, backend="torch") -> dict:
+    config = {"backend": {"kind": backend, "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)},
+              "verifier": {"kind": "greedy"}}
+    if assistant is not None:
+        config["drafter"] = {"kind": "dflash", "path": str(assistant), "block_size": BLOCK,
+                             "lookup": False}
+    return config
+
+
+@pytest.fixture(scope="module")
+def hf_models(pair):
+    from transformers import MuseGlimmerAssistantModel, MuseGlimmerForConditionalGeneration
+
+    target = MuseGlimmerForConditionalGeneration.from_pretrained(str(pair["target"]), dtype=torch.float32).eval()
+    assistant = MuseGlimmerAssistantModel.from_pretrained(str(pair["assistant"]), dtype=torch.float32).eval()
+    return target, assistant
+
+
+class ChunkSizes:
+    """A ``generate`` streamer keeping only how many tokens each put carried."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def put(self, ids) -> None:
+        self.sizes.append(int(ids.shape[-1]))
+
+    def end(self) -> None:
+        pass
+
+
+def native_dflash(hf_models, prompt, monkeypatch):
+    """transformers' DFlash generate: (new tokens, drafts per cycle, tokens gained per cycle)."""
+    target, assistant = hf_models
+    drafts = []
+    get_candidates = candidate_generator.DFlashTokenCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, **kwargs):
+        ids, logits = get_candidates(self, input_ids, **kwargs)
+        if logits is not None:
+            drafts.append(ids[0, input_ids.shape[1]:].tolist())
+        return ids, logits
+
+    monkeypatch.setattr(candidate_generator.DFlashTokenCandidateGenerator, "get_candidates", recording)
+    streamer = ChunkSizes()
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              assistant_model=assistant, speculation_type="dflash", streamer=streamer)
+    # puts: the prompt, the prefill's token, then one put per drafting cycle
+    return out[0, len(prompt):].tolist(), drafts, streamer.sizes[2:]
+
+
+def plain_greedy(hf_models, prompt):
+    with torch.no_grad():
+        out = hf_models[0].generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return speculant.Engine.from_config(config_for(pair["target"], pair["assistant"]))
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS), ids=list(PROMPTS))
+def test_greedy_equals_native_dflash_and_plain(engine, hf_models, prompt, monkeypatch):
+    ids = PROMPTS[prompt]
+    result, drafts = run_recording_proposals(engine, prompt_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    native, native_drafts, native_gains = native_dflash(hf_models, ids, monkeypatch)
+    assert len(native) == NEW_TOKENS
+    assert result.token_ids == native == plain_greedy(hf_models, ids)
+
+    accepted = result.stats.acceptance_lengths
+    # the last cycle may have nothing to draft (one token left): a plain step, no proposal
+    assert len(accepted) - 1 <= len(drafts) <= len(accepted)
+    # transformers always drafts block - 1 tokens; speculant shortens the last blocks to the
+    # tokens still wanted, and a shorter bidirectional block drafts differently
+    full = [i for i, d in enumerate(drafts) if len(d) == BLOCK - 1 and i < len(native_drafts)]
+    assert len(full) >= len(drafts) - BLOCK
+    assert [drafts[i] for i in full] == [native_drafts[i] for i in full]
+    assert [accepted[i] for i in full] == [native_gains[i] for i in full]
+    assert 1 in accepted and max(accepted) > 2  # partial acceptance: the comparison means something
+
+
+# -- what describe() says before any weights load ---------------------------------------------
+def problem_texts(config) -> list[str]:
+    return [str(p) for p in validate(config).problems]
+
+
+def test_describe_reads_the_assistant_layout(pair):
+    report = validate(config_for(pair["target"], pair["assistant"]))
+    assert report.problems == [], [str(p) for p in report.problems]
+    info = report.drafter
+    raw = json.loads((pair["assistant"] / "config.json").read_text())
+    assert info.kind == "dflash" and info.trained_block_size == raw["block_size"] == BLOCK
+    assert info.target_layer_ids == tuple(raw["target_layer_ids"]) and info.mask_token_id == raw["mask_token_id"]
+    cfg = info.extra["config"]
+    assert cfg.is_muse_glimmer and cfg.is_causal is False
+    assert cfg.sliding_window == raw["sliding_window"] + 1  # transformers keeps |q - k| <= window
+
+
+def test_describe_says_mlx_is_not_supported(pair):
+    texts = problem_texts(config_for(pair["target"], pair["assistant"], backend="mlx"))
+    assert any("torch-only" in t and "backend.kind" in t for t in texts), texts
+
+
+def test_describe_rejects_another_target_family(pair, tmp_path):
+    from speculant.testing.tiny_families import build_tiny_family
+
+    llama = build_tiny_family(tmp_path / "llama", "llama")
+    texts = problem_texts(config_for(llama, pair["assistant"]))
+    assert any("Muse Glimmer target" in t and "llama" in t for t in texts), texts
+
+
+def test_describe_reports_hidden_size_and_missing_tensors(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    wrong = shutil.copytree(pair["assistant"], tmp_path / "wrong")
+    raw = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**raw, "hidden_size": raw["hidden_size"] * 2}))
+    texts = problem_texts(config_for(pair["target"], wrong))
+    assert any("hidden_size" in t for t in texts) and any("encoder.fc.weight has shape" in t for t in texts), texts
+
+    holed = shutil.copytree(pair["assistant"], tmp_path / "holed")
+    tensors = load_file(str(holed / "model.safetensors"))
+    del tensors["encoder.output_norm_enc.weight"]
+    save_file(tensors, str(holed / "model.safetensors"), metadata={"format": "pt"})
+    texts = problem_texts(config_for(pair["target"], holed))
+    assert any("missing tensor encoder.output_norm_enc.weight" in t for t in texts), texts
