@@ -123,13 +123,13 @@ def test_greedy_equals_plain_on_torch(pairs, torch_plain, family):
 
 
 @pytest.mark.mlx
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_plain_on_mlx(pairs, torch_plain, family):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
     pair = pairs[family]
     report = validate(config("mlx", pair["target"]))
-    assert report.ok, [str(p) for p in report.errors]
+    assert report.problems == [], [str(p) for p in report.problems]  # mlx-lm drops the mtp.* tensors itself
     plain = engine("mlx", pair["target"], drafter=False).run(prompt_ids=pair["prompt"], max_new_tokens=NEW_TOKENS,
                                                               ignore_eos=True).token_ids
     assert plain == torch_plain(family)

@@ -12,8 +12,9 @@ from speculant.plugins.hookspecs import hookimpl
 
 
 # mlx-lm model types whose sanitize() drops bundled MTP weights (mlx-lm 0.32)
-MLX_LOADERS_DROPPING_MTP = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "deepseek_v3", "deepseek_v32",
-                            "glm4_moe", "glm4_moe_lite", "mimo")
+# (a composite config's model_type is its text_config's: qwen3_5_text, qwen3_5_moe_text)
+MLX_LOADERS_DROPPING_MTP = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v3",
+                            "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")
 
 
 class MTPFactory(DrafterFactory):
