@@ -1,0 +1,294 @@
+"""The published target families on PyTorch: loading, and exact rollback after rejected blocks.
+
+Each family's tiny random checkpoint (``speculant.testing.tiny_families``) decodes speculatively
+through ``Engine.from_config`` and must give transformers' own plain greedy output (``generate`` on
+the model loaded directly) token for token, with prompts shorter and longer than the sliding
+window (16). Two drafts: the planted drafter proposes the target's continuation with a mistake at a
+chosen block position each cycle (rejections at position 0, partway, and whole blocks accepted on
+any target), and a random DFlash draft (mostly rejected at position 0). Every cycle's block width
+and rolled-back rows are recorded, so a test cannot pass without rolling back. Keeping the Gated
+DeltaNet state after the whole block (``ROLLBACK.keep_whole_block``) must break greedy equality
+and the sampling law.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from speculant.backends.torch import rollback  # noqa: E402
+from speculant.backends.torch.backend import TorchBackend  # noqa: E402
+from speculant.core.config import BackendConfig  # noqa: E402
+from speculant.core.engine import Engine  # noqa: E402
+from speculant.core.types import Capture  # noqa: E402
+from speculant.core.validator import read_target_info  # noqa: E402
+from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
+from speculant.testing.tiny_families import FAMILIES, HYBRID, SLIDING, build_tiny_family  # noqa: E402
+
+NEW = 64
+WINDOW = 16
+PROMPTS = {"short": list(range(5, 15)), "long": list(range(20, 60))}  # 10 and 40 tokens
+MISTAKES = [0, 3, -1, 1, 5, -1, 2]  # spoiled block position per cycle; -1: the whole block is right
+BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, torch_threads):
+    """``family(name)``: the tiny checkpoint folder, built once per module."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tiny_family(root / name, name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(family):
+    """``reference(name)``: {prompt name: transformers' plain greedy continuation}."""
+    done = {}
+
+    def get(name: str) -> dict[str, list[int]]:
+        if name not in done:
+            model = direct_model(family(name))
+            model.generation_config.eos_token_id = None  # ignore_eos, without suppressing EOS as min_new_tokens would
+            done[name] = {key: greedy(model, ids) for key, ids in PROMPTS.items()}
+        return done[name]
+
+    return get
+
+
+def direct_model(path):
+    """The checkpoint loaded with the transformers class its config.json names."""
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, architecture).from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def greedy(model, ids) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def planted_engine(path, script, mistakes=MISTAKES, **extra):
+    options = {"script": script, "mistakes": mistakes}
+    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": {"kind": "planted", "options": options}}
+    return Engine.from_config({**config, **extra}, registry=registry_with_planted())
+
+
+def run_recorded(engine, ids, **kwargs):
+    """``(result, cycles)``; a cycle is (block width, cache length after the forward, rows rolled back)."""
+    target, cycles = engine.target, []
+    forward, crop = target.forward, target.crop
+
+    def recording_forward(token_ids, capture=Capture()):
+        out = forward(token_ids, capture)
+        cycles.append([int(token_ids.shape[0]), target.cache_length])
+        return out
+
+    def recording_crop(length):
+        if cycles and len(cycles[-1]) == 2:
+            cycles[-1].append(target.cache_length - length)
+        crop(length)
+
+    target.forward, target.crop = recording_forward, recording_crop
+    try:
+        result = engine.run(prompt_ids=ids, max_new_tokens=kwargs.pop("max_new_tokens", NEW), ignore_eos=True, **kwargs)
+    finally:
+        del target.forward, target.crop
+    return result, [tuple(c) for c in cycles]
+
+
+def kinds(cycles) -> set[str]:
+    seen = set()
+    for width, _, removed in cycles:
+        if width >= 2:
+            seen.add("whole" if removed == 0 else "position 0" if removed == width - 1 else "partway")
+    return seen
+
+
+# -- loading ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_target_logits_and_head_equal_transformers(family, name):
+    """Prefill and a one-token step give the logits of the model loaded directly (Muse Glimmer
+    and Qwen3.5: their composite class, text only), and ``lm_head`` of the final hidden state
+    gives exactly the forward's logits (soft-capping and multipliers included)."""
+    path = family(name)
+    backend = TorchBackend(BackendConfig(**BACKEND))
+    target = backend.load_target(str(path), read_target_info(path))
+    ids = PROMPTS["long"]
+    with torch.no_grad():
+        expected = direct_model(path)(input_ids=torch.tensor([ids])).logits[0]
+    first = target.prefill(ids[:-1]).logits[-1]
+    step = target.forward(backend.int_array(ids[-1:]), Capture(final_hidden="post_norm"))
+    torch.testing.assert_close(first, expected[-2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step.logits[-1], expected[-1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(target.lm_head(step.final_hidden), step.logits)
+    if name == "muse_glimmer":
+        assert type(target.model).__name__ == "MuseGlimmerForConditionalGeneration"
+        assert target.model.model.vision_tower is None  # the text model only
+        assert target._logit_transform is not None  # output_multiplier and final_logit_softcapping
+    if name == "qwen3_next":  # rope_theta / partial_rotary_factor at the top level, as on the Hub
+        raw = json.loads((path / "config.json").read_text())
+        rope = target.model.config.rope_parameters
+        assert "rope_parameters" not in raw
+        assert (rope["rope_theta"], rope["partial_rotary_factor"]) == (raw["rope_theta"], raw["partial_rotary_factor"])
+
+
+# -- greedy losslessness ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_speculation_equals_transformers(family, reference, name):
+    path, expected = family(name), reference(name)
+    engine = planted_engine(path, [(PROMPTS[k], expected[k]) for k in PROMPTS])
+    seen, deep = set(), 0
+    for key, ids in PROMPTS.items():
+        result, cycles = run_recorded(engine, ids)
+        assert result.token_ids == expected[key], f"{name}, {key} prompt"
+        assert 1 + sum(result.stats.acceptance_lengths) == NEW
+        seen |= kinds(cycles)
+        deep += sum(1 for width, length, removed in cycles if removed and length - width >= WINDOW)
+    assert seen == {"position 0", "partway", "whole"}
+    assert deep > 0  # rolled back after the sliding window had filled
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_random_dflash_draft_is_lossless(family, reference, tmp_path, name):
+    """A random DFlash draft: almost every block rejected at position 0, on the DFlash path
+    (target layers captured, shared embedding and head)."""
+    from speculant.testing.tiny import build_tiny_dflash
+
+    path, expected = family(name), reference(name)
+    draft = build_tiny_dflash(tmp_path / "draft", path, seed=5, block_size=8)
+    engine = Engine.from_config({"backend": BACKEND, "target": {"path": str(path)},
+                                 "drafter": {"kind": "dflash", "path": str(draft)}})
+    result, cycles = run_recorded(engine, PROMPTS["long"], max_new_tokens=32)
+    assert result.token_ids == expected["long"][:32]
+    assert "position 0" in kinds(cycles)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_keeping_the_whole_block_recurrent_state_breaks_equality(family, reference, monkeypatch, name):
+    """The recurrent-state rollback is what makes hybrids exact: keeping the state after the
+    whole block (convolution and attention still rolled back) changes the output."""
+    path, expected = family(name), reference(name)
+    engine = planted_engine(path, [(PROMPTS["short"], expected["short"])])
+    monkeypatch.setattr(rollback.ROLLBACK, "keep_whole_block", True)
+    result, cycles = run_recorded(engine, PROMPTS["short"])
+    assert {"position 0", "partway"} & kinds(cycles[:2])  # rolled back before any difference
+    assert result.token_ids != expected["short"]
+
+
+def test_a_crop_deeper_than_the_last_block_is_refused(family):
+    engine = planted_engine(family("qwen3_5"), [])
+    target, backend = engine.target, engine.backend
+    target.prefill(PROMPTS["long"])
+    target.forward(backend.int_array([1, 2, 3]))
+    with pytest.raises(RuntimeError, match="only the last 3"):
+        target.crop(len(PROMPTS["long"]) - 1)
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+def test_sampling_on_a_hybrid_follows_the_target(family, monkeypatch):
+    """Speculative sampling (temperature 1, top-k 2) with proposals the target almost always
+    rejects at position 0, so the first cycle rolls its proposal back and the third token is the
+    first one read from a rolled-back state. The law of the first three tokens must be the
+    target's (chi-square); with the whole-block recurrent state kept it must not be."""
+    from speculant.core.types import SamplingParams
+    from speculant.verifiers.processing import target_probs
+
+    chisquare = pytest.importorskip("scipy.stats").chisquare
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    engine = planted_engine(family("qwen3_5"), [], verifier={"kind": "speculative_sampling"},
+                            sampling={"temperature": 1.0, "top_k": 2})
+    ops, prompt = engine.backend.ops, PROMPTS["short"]
+
+    def next_probs(ids):
+        engine.target.reset()
+        probs = target_probs(ops, engine.target.prefill(ids).logits[-1:], sampling)
+        return ops.to_numpy(probs)[0].astype(np.float64)
+
+    law = {(): 1.0}
+    for _ in range(3):
+        law = {seq + (int(t),): p * q for seq, p in law.items() for t, q in enumerate(next_probs(prompt + list(seq))) if q > 0}
+    cells = sorted(law)
+    expected = np.array([law[c] for c in cells])
+    expected /= expected.sum()
+
+    def pvalue(runs: int) -> float:
+        seen = [tuple(engine.run(prompt_ids=prompt, max_new_tokens=3, seed=s, ignore_eos=True).token_ids)
+                for s in range(runs)]
+        observed = np.array([seen.count(c) for c in cells], dtype=float)
+        if observed.sum() < runs:  # a sequence outside the target's support
+            return 0.0
+        return chisquare(observed, expected * runs).pvalue
+
+    _, cycles = run_recorded(engine, prompt, max_new_tokens=3, seed=0)
+    assert cycles[0][0] == 2 and cycles[0][2] == 1  # the first block's proposal was rolled back
+    assert pvalue(200) > 1e-3
+    monkeypatch.setattr(rollback.ROLLBACK, "keep_whole_block", True)
+    assert pvalue(200) < 1e-3
+
+
+# -- what the torch backend refuses ---------------------------------------------------------------
+def test_rollback_problem_names_the_layer_kind_and_family(family):
+    for name in FAMILIES:
+        assert TorchBackend.rollback_problem(read_target_info(family(name))) is None
+    info = read_target_info(family("qwen3_5"))
+    unknown = dataclasses.replace(info, model_type="qwen4_exp", layer_types=("linear_attention", "indexed_attention"))
+    message = TorchBackend.rollback_problem(unknown)
+    assert "linear_attention" in message and "indexed_attention" in message and "qwen4_exp" in message
+    assert "torch backend cannot roll back" in message
+    sliding = dataclasses.replace(info, model_type="llama4_text", layer_types=("chunked_attention", "full_attention"))
+    assert "chunked_attention" in TorchBackend.rollback_problem(sliding)
+
+
+# -- the original full-attention families keep working --------------------------------------------
+def _qwen3_moe(path):
+    from speculant.testing.tiny import build_tokenizer
+
+    return _save(path, transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, build_tokenizer(path),
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+
+
+def _deepseek_v3(path):
+    from speculant.testing.tiny_mtp import build_family_target
+
+    return build_family_target(path, "deepseek_v3")  # MLA, a dense first layer, then MoE
+
+
+def _save(path, config_cls, model_cls, tokenizer, **extra):
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None,
+                        tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 2.0 / p.shape[-1] ** 0.5)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_full_attention_families_still_decode_losslessly(tmp_path, torch_threads, name):
+    from speculant.testing.tiny import build_tiny_target
+
+    path = tmp_path / name
+    {"qwen3": build_tiny_target, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}[name](path)
+    model = direct_model(path)
+    model.generation_config.eos_token_id = None
+    ids = PROMPTS["long"]
+    expected = greedy(model, ids)[:32]
+    result, cycles = run_recorded(planted_engine(path, [(ids, expected)]), ids, max_new_tokens=32)
+    assert result.token_ids == expected
+    assert {"position 0", "partway", "whole"} <= kinds(cycles)
