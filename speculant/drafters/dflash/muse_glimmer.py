@@ -14,6 +14,8 @@ What differs from a published DFlash config, as transformers' modeling and gener
 - The block's input rows are the target's embedding rows *without* the target's weightless
   ``embed_norm`` (``DFlashTokenCandidateGenerator._get_noise_embeds``).
 - Draft logits are the target's bare ``lm_head`` (no ``output_multiplier``, no soft-cap).
+- The target's hidden states are transformers' ``hidden_states[i + 1]``: layer ``i``'s output,
+  except the last layer's, which ``capture_outputs`` replaces by the final-normed state.
 - The layout defaults of ``MuseGlimmerAssistantConfig`` apply to absent keys.
 """
 
@@ -68,6 +70,12 @@ def config_problems(raw: dict) -> list[Problem]:
         return [Problem("drafter.path (hidden_act)", f"hidden_act {act!r}: the DFlash modules run SiLU MLPs only",
                         "use an assistant with hidden_act silu")]
     return []
+
+
+def final_feature(cfg) -> int | None:
+    """Which ``target_layer_ids`` entry reads the target's last layer (final-normed), if any."""
+    last = (cfg.num_target_layers or 0) - 1
+    return cfg.target_layer_ids.index(last) if last in cfg.target_layer_ids else None
 
 
 def disk_names(expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

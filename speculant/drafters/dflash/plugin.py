@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from speculant.core.interfaces import DrafterFactory
 from speculant.core.types import DrafterInfo, ProposalKind
 from speculant.core.validator import Problem
@@ -40,7 +42,10 @@ class DFlashFactory(DrafterFactory):
         problems = muse_glimmer.target_problems(target, backend)
         if target is not None:
             cfg.num_target_layers = target.num_hidden_layers
-        return self.info(cfg), problems + self.check_tensors(config.path, cfg)
+        info = self.info(cfg)
+        if muse_glimmer.final_feature(cfg) is not None:
+            info = dataclasses.replace(info, final_hidden="post_norm")
+        return info, problems + self.check_tensors(config.path, cfg)
 
     def check_tensors(self, path, cfg) -> list[Problem]:
         """Problems with the safetensors headers (names, shapes) against the expected layout."""

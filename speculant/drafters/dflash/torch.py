@@ -16,6 +16,7 @@ from torch import nn
 
 from speculant.core.interfaces import Drafter
 from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput
+from speculant.drafters.dflash import muse_glimmer
 from speculant.drafters.dflash.config import DFlashConfig
 from speculant.drafters.dflash.visibility import every_key_visible
 
@@ -279,14 +280,26 @@ class TorchDFlashDrafter(Drafter):
         self.pending: list[torch.Tensor] = []
         self.context_length = 0
         self._dtype = next(model.parameters()).dtype
+        # a Muse Glimmer assistant reading the target's last layer gets its final-normed state
+        self._final_feature = muse_glimmer.final_feature(self.cfg) if info.final_hidden == "post_norm" else None
 
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         self.cache = ContextCache(self.cfg.num_hidden_layers, [l.window for l in self.model.layers])
-        self.pending = [output.features]
+        self.pending = [self._features(output, None)]
         self.context_length = 0
 
     def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
-        self.pending.append(output.features[:num_rows])
+        self.pending.append(self._features(output, num_rows))
+
+    def _features(self, output: ForwardOutput, rows: int | None) -> torch.Tensor:
+        features = output.features[:rows]
+        j = self._final_feature
+        if j is None:
+            return features
+        H = self.cfg.hidden_size
+        features = features.clone()
+        features[:, j * H:(j + 1) * H] = output.final_hidden[:rows]
+        return features
 
     @torch.inference_mode()
     def _hidden(self, request: DraftRequest) -> torch.Tensor:
