@@ -23,6 +23,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from speculant.core.errors import ConfigError
 from speculant.core.types import TargetInfo
 
 ROLLED_BACK = ("full_attention", "sliding_attention")
@@ -32,7 +33,7 @@ DELTA_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3
 IGNORED_KEYS = {"gemma3_text": ("final_logit_softcapping", "attn_logit_softcapping")}
 
 
-class FamilyError(ValueError):
+class FamilyError(ConfigError):
     """This target family cannot be run (exactly) by the MLX backend."""
 
 
