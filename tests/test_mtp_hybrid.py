@@ -63,6 +63,21 @@ def pairs(tmp_path_factory, torch_threads):
 
 
 @pytest.fixture(scope="module")
+def torch_spec(pairs):
+    """speculant's speculative run per family (PyTorch), computed once."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            pair = pairs[family]
+            cache[family] = engine("torch", pair["target"]).run(prompt_ids=pair["prompt"], max_new_tokens=NEW_TOKENS,
+                                                                 ignore_eos=True, block_size=BLOCK)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def torch_plain(pairs):
     """speculant's plain greedy tokens per family (PyTorch), computed once."""
     cache = {}
@@ -108,14 +123,13 @@ def test_the_targets_have_the_published_layouts(pairs):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_plain_on_torch(pairs, torch_plain, family):
+def test_greedy_equals_plain_on_torch(pairs, torch_plain, torch_spec, family):
     pair = pairs[family]
     plain = torch_plain(family)
     assert plain == transformers_greedy(pair["target"], pair["prompt"], NEW_TOKENS)
     report = validate(config("torch", pair["target"]))
     assert report.ok, [str(p) for p in report.errors]
-    result = engine("torch", pair["target"]).run(prompt_ids=pair["prompt"], max_new_tokens=NEW_TOKENS,
-                                                  ignore_eos=True, block_size=BLOCK)
+    result = torch_spec(family)
     assert result.token_ids == plain
     lengths = result.stats.acceptance_lengths
     assert min(lengths) == 1 and max(lengths) == BLOCK, lengths  # rejections and full blocks
@@ -124,7 +138,7 @@ def test_greedy_equals_plain_on_torch(pairs, torch_plain, family):
 
 @pytest.mark.mlx
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_plain_on_mlx(pairs, torch_plain, family):
+def test_greedy_equals_plain_on_mlx(pairs, torch_plain, torch_spec, family):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
     pair = pairs[family]
@@ -138,6 +152,7 @@ def test_greedy_equals_plain_on_mlx(pairs, torch_plain, family):
     assert result.token_ids == plain
     lengths = result.stats.acceptance_lengths
     assert min(lengths) == 1 and max(lengths) == BLOCK, lengths
+    assert lengths == torch_spec(family).stats.acceptance_lengths  # the MTP drafts agree across backends
 
 
 # -- the MTP head's KV cache through rollbacks ------------------------------------------------------
