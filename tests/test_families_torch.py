@@ -29,7 +29,7 @@ from speculant.core.engine import Engine  # noqa: E402
 from speculant.core.types import Capture  # noqa: E402
 from speculant.core.validator import read_target_info  # noqa: E402
 from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
-from speculant.testing.tiny_families import FAMILIES, HYBRID, SLIDING, build_tiny_family  # noqa: E402
+from speculant.testing.tiny_families import FAMILIES, HYBRID, build_tiny_family  # noqa: E402
 
 NEW = 64
 WINDOW = 16
