@@ -62,7 +62,8 @@ class Families:
             self.built[family] = {
                 "target": target,
                 "dflash": build_tiny_dflash(folder / "dflash", target, seed=7, target_layer_ids=LAYER_IDS),
-                "dflash2": build_tiny_dflash2(folder / "dflash2", target, seed=7, target_layer_ids=LAYER_IDS),
+                # convolutions near the identity, so DFlash2 also gets drafts accepted on every family
+                "dflash2": build_tiny_dflash2(folder / "dflash2", target, seed=7, target_layer_ids=LAYER_IDS, conv_scale=0.1),
             }
         return self.built[family]
 
@@ -93,9 +94,7 @@ def test_greedy_equals_plain_on_torch(families, family, kind):
     result = families.speculative("torch", family, kind)
     assert result.token_ids == families.plain_tokens("torch", family)
     lengths = result.stats.acceptance_lengths
-    assert min(lengths) == 1, lengths  # rejected drafts: the target's caches were rolled back
-    if kind == "dflash":
-        assert max(lengths) > 1, lengths  # and accepted ones
+    assert min(lengths) == 1 and max(lengths) > 1, lengths  # rejected drafts (rollbacks) and accepted ones
 
 
 @pytest.mark.mlx
