@@ -41,7 +41,12 @@ class PluginError(SpeculantError):
 
 
 class CheckpointError(SpeculantError):
-    """A checkpoint's tensors are missing, unexpected or mis-shaped."""
+    """A checkpoint's tensors are missing, unexpected or mis-shaped; ``field`` names the config
+    field that points at it (``target.path``) when known."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class GenerationError(SpeculantError):

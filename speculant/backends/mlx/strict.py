@@ -16,9 +16,9 @@ def checkpoint_errors(path: str) -> Iterator[None]:
         yield
     except ValueError as exc:
         detail = " ".join(str(exc).split())  # mlx lists the names one per line
-        raise CheckpointError(f"target checkpoint {path} does not match the model its config.json describes: "
-                              f"{detail}") from None
+        raise CheckpointError(f"target.path: checkpoint {path} does not match the model its config.json "
+                              f"describes: {detail}", "target.path") from None
     except RuntimeError as exc:
         if "safetensors" not in str(exc).lower():
             raise
-        raise CheckpointError(f"target checkpoint {path} is not readable: {exc}") from None
+        raise CheckpointError(f"target.path: checkpoint {path} is not readable: {exc}", "target.path") from None

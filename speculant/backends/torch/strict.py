@@ -40,13 +40,13 @@ def load_strict(path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
             rows = [_ANSI.sub("", line).split("|") for line in report if "MISMATCH" in line and "|" in line]
             names = [" ".join(cell.strip() for cell in row[::2] if cell.strip()) for row in rows]  # name, details
             detail = "; ".join(names[:_LIST]) or str(exc).splitlines()[0]
-            raise CheckpointError(f"target checkpoint {path}: tensor(s) whose shape does not fit the model its "
-                                  f"config.json describes: {detail}") from None
+            raise CheckpointError(f"target.path: checkpoint {path} has tensor(s) whose shape does not fit the "
+                                  f"model its config.json describes: {detail}", "target.path") from None
     problems = loading_problems(model, info)
     if problems:
         shown = "; ".join(problems[:_LIST]) + (f"; and {len(problems) - _LIST} more" if len(problems) > _LIST else "")
-        raise CheckpointError(f"target checkpoint {path} does not match its config.json: {shown} "
-                              "(a damaged or partial download, or the wrong config?)")
+        raise CheckpointError(f"target.path: checkpoint {path} does not match its config.json: {shown} "
+                              "(a damaged or partial download, or the wrong config?)", "target.path")
     return model, info
 
 
