@@ -292,3 +292,42 @@ def test_full_attention_families_still_decode_losslessly(tmp_path, torch_threads
     result, cycles = run_recorded(planted_engine(path, [(ids, expected)]), ids, max_new_tokens=32)
     assert result.token_ids == expected
     assert {"position 0", "partway", "whole"} <= kinds(cycles)
+
+
+# -- the pieces --------------------------------------------------------------------------------------
+def test_recorded_recurrence_is_transformers_step_for_step(torch_threads):
+    """``recurrent_with_states`` gives bit for bit transformers' recurrent delta rule, and its
+    state after row i is the rule's final state over the first i + 1 rows."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    reference = getattr(qwen.torch_recurrent_gated_delta_rule, "__wrapped__", qwen.torch_recurrent_gated_delta_rule)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 6, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(1, 6, 4, 16, generator=gen)
+    g, beta = -torch.rand(1, 6, 4, generator=gen), torch.rand(1, 6, 4, generator=gen)
+    state = torch.randn(1, 4, 16, 16, generator=gen)
+    out, states = rollback.recurrent_with_states(q, k, v, g, beta, state, True, qwen.l2norm)
+    expected, final = reference(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+    assert torch.equal(out, expected) and torch.equal(states[-1], final)
+    for i in (0, 2):
+        _, prefix = reference(q[:, :i + 1], k[:, :i + 1], v[:, :i + 1], g=g[:, :i + 1], beta=beta[:, :i + 1],
+                              initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(states[i], prefix)
+
+
+def test_buffers_go_back_to_the_window_after_every_forward(family):
+    """Past recording keeps a block's rows only until the crop that follows every forward
+    (prefill included): sliding layers hold window - 1 rows, convolution states the kernel."""
+    for name, index in (("gemma3_text", 0), ("qwen3_5", 0)):
+        engine = planted_engine(family(name), [])
+        target, backend = engine.target, engine.backend
+        layer = target.cache.layers[index]
+        width = (lambda: layer.keys.shape[-2]) if name == "gemma3_text" else (lambda: layer.conv_states[0].shape[-1])
+        settled = WINDOW - 1 if name == "gemma3_text" else 4  # linear_conv_kernel_dim
+        target.prefill(PROMPTS["long"])
+        assert width() == settled
+        target.forward(backend.int_array([1, 2, 3, 4, 5]))
+        assert width() == settled + 5
+        target.crop(len(PROMPTS["long"]) + 2)
+        assert width() == settled and target.cache_length == len(PROMPTS["long"]) + 2
