@@ -287,6 +287,8 @@ def _qwen_text(family: str, vocab_size: int, eos_token_id: int | None, hybrid: b
                 linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                 linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=eos_token_id, bos_token_id=None,
                 pad_token_id=None)
+    if family != "qwen3_next":  # Qwen3.5's published M-RoPE sections (over the 2 rotary frequencies here)
+        args["rope_parameters"] = {**args["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
     if family != "qwen3_5":  # Qwen3.5 (dense) has a plain SwiGLU MLP; the others are MoE
         args.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                     norm_topk_prob=True, decoder_sparse_step=1)
