@@ -18,7 +18,7 @@ import pytest
 
 import speculant
 from speculant.core.interfaces import Drafter, DrafterFactory
-from speculant.core.types import Draft, DrafterInfo, ProposalKind, TargetInfo
+from speculant.core.types import Capture, Draft, DrafterInfo, ProposalKind, TargetInfo
 from speculant.plugins import hookimpl
 from speculant.testing.tiny_families import FAMILIES, HYBRID
 
@@ -106,7 +106,12 @@ def transformers_greedy(path, prompt_list: list[list[int]]) -> list[list[int]]:
     for prompt in prompt_list:
         ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, pad_token_id=0)
         out.append(ids[0, len(prompt):].tolist())
-    return out
+    embedding = model.get_input_embeddings()
+    # Muse Glimmer's module adds a weightless norm; its DFlash assistant reads the rows without it
+    embed = torch.nn.Embedding.forward.__get__(embedding) if arch.startswith("MuseGlimmer") else embedding
+    with torch.no_grad():
+        embedded = embed(torch.tensor(prompt_list[0])).float().numpy()
+    return out, embedded
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +125,9 @@ def family(request, tmp_path_factory, torch_threads):
     target = build_tiny_family(root / "target", name, sliding_window=WINDOW)
     draft = build_tiny_dflash(root / "draft", target, seed=7, block_size=BLOCK)
     ps = prompts(320)
-    refs = dict(zip(ps, transformers_greedy(target, list(ps.values()))))
-    return {"name": name, "target": target, "draft": draft, "prompts": ps, "refs": refs}
+    continuations, embedded = transformers_greedy(target, list(ps.values()))
+    return {"name": name, "target": target, "draft": draft, "prompts": ps, "refs": dict(zip(ps, continuations)),
+            "embedded": embedded}
 
 
 def config(target, **drafter) -> dict:
@@ -186,6 +192,16 @@ def test_family_greedy_equals_transformers(family, registry):
     diffs, seen = oracle_run(engine, family)
     assert diffs == {name: None for name in PROMPTS}, "first differing token of the speculative output"
     assert seen == {"rejected at 0", "partway", "whole"}
+
+    # what a drafter sharing the target's embedding and head sees: transformers' embedding rows,
+    # and the logits the target itself gives for its final hidden state
+    target, prompt = engine.target, family["prompts"]["short"]
+    embedded = np.array(target.embed(engine.backend.int_array(prompt)))
+    np.testing.assert_allclose(embedded, family["embedded"], rtol=1e-5, atol=1e-6)
+    target.reset()
+    out = target.prefill(prompt, Capture(final_hidden="post_norm"))
+    np.testing.assert_allclose(np.array(target.lm_head(out.final_hidden[-1:])), np.array(out.logits[-1:]),
+                               rtol=1e-5, atol=1e-5)
 
     dflash = speculant.Engine.from_config(config(family["target"], kind="dflash", path=str(family["draft"])))
     blocks = watch_blocks(dflash)

@@ -161,6 +161,7 @@ def model_classes(config: dict):
             return super().sanitize(fix(weights))
 
     Published.__name__ = Published.__qualname__ = model_cls.__name__
+    Published.__module__ = model_cls.__module__  # family checks below go by the mlx-lm module
     return Published, args_cls
 
 
@@ -240,3 +241,25 @@ def check_layers(model, info: TargetInfo) -> None:
         if kind == "sliding_attention" and window != info.sliding_window:
             raise FamilyError(f"{name}: mlx-lm's model gives layer {i} a window of {window} but the config's "
                               f"sliding_window is {info.sliding_window}")
+
+
+# -- what drafters sharing the target's embedding and head must see -------------------------------
+
+def embed_scale(model, inner):
+    """What the family's forward multiplies token embeddings by (None: nothing), as transformers'
+    embedding module does (Gemma 3: sqrt(hidden) rounded to bfloat16)."""
+    if type(model).__module__ == "mlx_lm.models.gemma3_text":
+        import mlx.core as mx
+
+        return mx.array(model.args.hidden_size ** 0.5, mx.bfloat16)
+    return getattr(inner, "embed_scale", None)
+
+
+def logit_transform(model):
+    """What the family's forward does to ``lm_head`` outputs (None: nothing), in the same order."""
+    if type(model).__module__ == "mlx_lm.models.muse_glimmer":
+        import mlx.core as mx
+
+        multiplier, cap = model.args.output_multiplier, model.args.final_logit_softcapping
+        return lambda x: mx.tanh((x * multiplier) / cap) * cap
+    return None

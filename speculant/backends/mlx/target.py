@@ -123,7 +123,8 @@ class MLXTarget(TargetModel):
         self._recorder = install_taps(model)
         self._delta_layers = install_delta_taps(self._inner.layers)
         self._head = _output_head(model, self._inner)
-        self._embed_scale = getattr(self._inner, "embed_scale", None)
+        self._embed_scale = families.embed_scale(model, self._inner)
+        self._logit_transform = families.logit_transform(model)
         self._length = 0
         self.cache = self._new_cache()
 
@@ -205,7 +206,8 @@ class MLXTarget(TargetModel):
         return rows
 
     def lm_head(self, hidden) -> mx.array:
-        return self._head(hidden)
+        logits = self._head(hidden)
+        return logits if self._logit_transform is None else self._logit_transform(logits)
 
 
 def _output_head(model: nn.Module, inner: nn.Module):
