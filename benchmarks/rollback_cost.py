@@ -10,7 +10,8 @@
 
 Medians over ``--repeats``. A random target of the chosen size is built under ``--folder``.
 
-    python benchmarks/rollback_cost.py [--hidden 512 --layers 8 --block 8 --repeats 7 --device cpu]
+    python benchmarks/rollback_cost.py [--hidden 512 --layers 8 --block 8 --repeats 5 --device cpu
+                                        --recording auto|loop|closed_form]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from speculant.backends.torch import rollback
 from speculant.core.engine import Engine
 from speculant.core.types import Capture
 from speculant.testing.planted_drafter import registry_with_planted
@@ -115,10 +117,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--recording", choices=("auto", "loop", "closed_form"), default="auto",
+                        help="how the verify forward records states (auto: loop on CPU, closed form elsewhere)")
     parser.add_argument("--folder", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    rollback.ROLLBACK.closed_form = {"auto": None, "loop": False, "closed_form": True}[args.recording]
 
     folder = args.folder or Path(tempfile.mkdtemp(prefix="rollback_cost_"))
     path = folder / f"qwen3_5_h{args.hidden}_l{args.layers}"
@@ -132,7 +137,7 @@ def main() -> None:
     recording = costs["verify"] - costs["plain forward"]
     print(f"target: Qwen3.5 text, hidden {args.hidden}, {args.layers} layers ({args.layers - args.layers // 4} "
           f"Gated DeltaNet), block {args.block}, prompt {args.prompt_len}, {args.device} {args.dtype}, "
-          f"{torch.get_num_threads()} threads, medians of {args.repeats} x {args.block} cycles")
+          f"{torch.get_num_threads()} threads, recording: {args.recording}, medians of {args.repeats} x {args.block} cycles")
     print(f"{'per verify cycle':<44}{'ms':>9}{'share of verify':>17}")
     rows = [("verify forward, states recorded", verify), ("same forward, not recorded (chunked rule)", costs["plain forward"]),
             ("recording (difference)", recording), ("crop: install state + trim buffers", costs["crop"]),

@@ -331,3 +331,25 @@ def test_buffers_go_back_to_the_window_after_every_forward(family):
         assert width() == settled + 5
         target.crop(len(PROMPTS["long"]) + 2)
         assert width() == settled and target.cache_length == len(PROMPTS["long"]) + 2
+
+
+def test_closed_form_recording_equals_the_token_loop(family, reference, monkeypatch):
+    """The closed form (the default on accelerators) gives the loop's outputs and states up to
+    float rounding, and greedy output stays transformers' on the hybrids."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 8, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(1, 8, 4, 16, generator=gen)
+    g, beta = -2 * torch.rand(1, 8, 4, generator=gen), torch.rand(1, 8, 4, generator=gen)
+    state = torch.randn(1, 4, 16, 16, generator=gen)
+    loop_out, loop_states = rollback.recurrent_with_states(q, k, v, g, beta, state, True)
+    out, states = rollback.closed_form_with_states(q, k, v, g, beta, state, True)
+    torch.testing.assert_close(out, loop_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(states), torch.stack(loop_states), rtol=1e-5, atol=1e-5)
+    assert not rollback.ROLLBACK.uses_closed_form(torch.device("cpu"))
+    assert rollback.ROLLBACK.uses_closed_form(torch.device("cuda"))
+    monkeypatch.setattr(rollback.ROLLBACK, "closed_form", True)
+    for name in HYBRID:
+        expected = reference(name)["long"]
+        result, cycles = run_recorded(planted_engine(family(name), [(PROMPTS["long"], expected)]), PROMPTS["long"])
+        assert result.token_ids == expected, name
+        assert {"position 0", "partway", "whole"} <= kinds(cycles)

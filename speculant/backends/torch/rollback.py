@@ -21,7 +21,9 @@ How the states get out of the layer: a Gated DeltaNet layer calls the module-lev
 ``torch_chunk_gated_delta_rule`` (a block) or ``torch_recurrent_gated_delta_rule`` (one token) of its
 transformers modeling module. :func:`install_recording` replaces both with a wrapper that
 delegates unchanged unless a :class:`RollbackCache` is verifying a block of two or more tokens;
-then it runs :func:`recurrent_with_states` and hands the per-position states to that cache. The
+then it runs :func:`recurrent_with_states` (the token loop, on CPU) or
+:func:`closed_form_with_states` (the whole block in a few batched matmuls, on accelerators, where
+the loop's small kernel launches would dominate) and hands the per-position states to that cache. The
 layer next calls ``cache.update_recurrent_state(final_state, layer_idx)``, which files them under
 the layer. A crop that must roll back a linear layer for which no states were filed (another
 kernel ran, an unknown family) raises instead of leaving a wrong state behind.
@@ -30,8 +32,9 @@ Memory: while a block is verified, ``block × state`` float32 per linear layer, 
 block of a model with 32 value heads of 128 × 128 keeps 16 × 2 MiB = 32 MiB per linear layer
 (about 1.1 GiB over Qwen3-Next-80B's 36 linear layers); freed by the crop. Numerics: the
 recurrence is transformers' ``torch_recurrent_gated_delta_rule`` step for step, the one plain
-decoding uses without the ``flash-linear-attention`` kernels (with them, plain decoding uses their
-fused kernel and the verify forward this reference loop, equal up to float rounding).
+decoding uses without the ``flash-linear-attention`` kernels, so on CPU a verified row is computed
+exactly as plain decoding computes it. The closed form (and, with those kernels installed, plain
+decoding's fused kernel) agree with it up to float rounding.
 """
 
 from __future__ import annotations
@@ -116,9 +119,16 @@ def _has_recurrent_state(layer) -> bool:
 
 class _Rollback:
     """Installs the recurrent state after ``kept`` block rows. A seam for the test that proves
-    the rollback matters (``keep_whole_block`` keeps the state after the whole block instead)."""
+    the rollback matters (``keep_whole_block`` keeps the state after the whole block instead).
+    ``closed_form``: record with :func:`closed_form_with_states` (True), the token loop (False),
+    or the loop on CPU and the closed form on accelerators, where the loop's many small kernel
+    launches would cost more than the block's matmuls (None)."""
 
     keep_whole_block = False
+    closed_form: bool | None = None
+
+    def uses_closed_form(self, device: torch.device) -> bool:
+        return device.type != "cpu" if self.closed_form is None else self.closed_form
 
     def install(self, layer, states: list[torch.Tensor], kept: int) -> None:
         chosen = states[-1] if self.keep_whole_block else states[kept - 1]
@@ -161,7 +171,8 @@ def _recording(original: Callable, l2norm: Callable) -> Callable:
         )
         if plain:
             return original(query, key, value, *args, **kwargs)
-        out, states = recurrent_with_states(
+        record = closed_form_with_states if ROLLBACK.uses_closed_form(query.device) else recurrent_with_states
+        out, states = record(
             query, key, value, kwargs["g"], kwargs["beta"], initial_state,
             bool(kwargs.get("use_qk_l2norm_in_kernel")), l2norm,
         )
@@ -172,11 +183,9 @@ def _recording(original: Callable, l2norm: Callable) -> Callable:
     return delta_rule
 
 
-def recurrent_with_states(query, key, value, g, beta, initial_state, use_qk_l2norm: bool, l2norm=None):
-    """transformers' ``torch_recurrent_gated_delta_rule``, step for step, also returning the
-    recurrent state after every position (``[batch, v_heads, k_dim, v_dim]`` each)."""
-    l2norm = l2norm or _l2norm
-    dtype = query.dtype
+def _prepared(query, key, value, g, beta, use_qk_l2norm: bool, l2norm):
+    """What transformers' delta rules do first: heads grouped, float32 ``[batch, heads, rows, ...]``,
+    query and key L2-normalised, query scaled."""
     k_heads, v_heads = key.shape[2], value.shape[2]
     if k_heads != v_heads:
         query = query.repeat_interleave(v_heads // k_heads, dim=2)
@@ -187,7 +196,14 @@ def recurrent_with_states(query, key, value, g, beta, initial_state, use_qk_l2no
     if use_qk_l2norm:
         query = l2norm(query, dim=-1, eps=1e-6)
         key = l2norm(key, dim=-1, eps=1e-6)
-    query = query / (query.shape[-1] ** 0.5)
+    return query / (query.shape[-1] ** 0.5), key, value, g, beta
+
+
+def recurrent_with_states(query, key, value, g, beta, initial_state, use_qk_l2norm: bool, l2norm=None):
+    """transformers' ``torch_recurrent_gated_delta_rule``, step for step, also returning the
+    recurrent state after every position (``[batch, v_heads, k_dim, v_dim]`` each)."""
+    dtype = query.dtype
+    query, key, value, g, beta = _prepared(query, key, value, g, beta, use_qk_l2norm, l2norm or _l2norm)
     state = initial_state.to(value)
     out = torch.zeros_like(value)
     states = []
@@ -200,6 +216,31 @@ def recurrent_with_states(query, key, value, g, beta, initial_state, use_qk_l2no
         out[:, :, i] = (state * q_t.unsqueeze(-1)).sum(dim=-2)
         states.append(state)
     return out.transpose(1, 2).contiguous().to(dtype), states
+
+
+def closed_form_with_states(query, key, value, g, beta, initial_state, use_qk_l2norm: bool, l2norm=None):
+    """The same recurrence solved for the whole block at once (a few batched matmuls, no loop per
+    token), equal to :func:`recurrent_with_states` up to float rounding.
+
+    With ``D[t, j] = exp(g_{j+1} + ... + g_t)`` (j <= t), the per-row updates
+    ``u_t = beta_t (v_t - k_t . decayed S_{t-1})`` solve the unit lower-triangular system
+    ``u_t + sum_{j<t} beta_t (k_t . k_j) D[t, j] u_j = beta_t v_t - beta_t D[t, -1] k_t . S_0``, and
+    then ``S_t = D[t, -1] S_0 + sum_{j<=t} D[t, j] k_j u_j^T`` and ``o_t = q_t . S_t``."""
+    dtype = query.dtype
+    query, key, value, g, beta = _prepared(query, key, value, g, beta, use_qk_l2norm, l2norm or _l2norm)
+    state = initial_state.to(value)  # [b, h, dk, dv]
+    rows = query.shape[2]
+    cum = g.cumsum(dim=-1)  # [b, h, t]
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=query.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # D[t, j]
+    k_beta = key * beta[..., None]
+    system = (k_beta @ key.transpose(-1, -2)) * decay  # its strictly lower part; the diagonal is taken as 1
+    start = (k_beta * cum.exp()[..., None]) @ state  # beta_t D[t, -1] k_t . S_0
+    updates = torch.linalg.solve_triangular(system, value * beta[..., None] - start, upper=False, unitriangular=True)
+    outer = (key[..., :, None] * updates[..., None, :]).flatten(-2)  # k_j u_j^T, [b, h, t, dk * dv]
+    states = (decay @ outer).unflatten(-1, state.shape[-2:]) + cum.exp()[..., None, None] * state[:, :, None]
+    out = (query[..., None] * states).sum(dim=-2)  # [b, h, t, dv]
+    return out.transpose(1, 2).contiguous().to(dtype), list(states.unbind(dim=2))
 
 
 def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
