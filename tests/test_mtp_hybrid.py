@@ -106,18 +106,22 @@ def transformers_greedy(target, prompt, new_tokens):
 
 
 def test_the_targets_have_the_published_layouts(pairs):
+    from speculant.core.checkpoint import tensor_inventory
     from speculant.core.validator import read_target_info
 
     for family in FAMILIES:
         target = pairs[family]["target"]
-        info = read_target_info(target)
-        assert info.layer_types == ("linear_attention",) * 3 + ("full_attention",)
-        raw = target_config(target)
+        assert read_target_info(target).layer_types == ("linear_attention",) * 3 + ("full_attention",)
+        raw, names = target_config(target), set(tensor_inventory(target))
+        assert "mtp.fc.weight" in names and "mtp.layers.0.self_attn.q_proj.weight" in names
         if family == "qwen3_next":
-            assert raw["num_nextn_predict_layers" if "num_nextn_predict_layers" in raw else "mtp_num_hidden_layers"] == 1
-        else:
+            assert raw["mtp_num_hidden_layers"] == 1 and "model.embed_tokens.weight" in names
+        else:  # composite: the language model under model.language_model, the MTP count under text_config
             assert raw["model_type"] == family and raw["text_config"]["mtp_num_hidden_layers"] == 1
-            assert "mtp_num_hidden_layers" not in raw
+            assert "mtp_num_hidden_layers" not in raw and "model.language_model.embed_tokens.weight" in names
+            moe = family == "qwen3_5_moe"
+            assert ("mtp.layers.0.mlp.experts.gate_up_proj" in names) is moe
+            assert ("mtp.layers.0.mlp.gate_proj.weight" in names) is not moe
         report = validate(config("torch", target))
         assert report.drafter is not None and report.drafter.extra["config"].attn_output_gate
 
