@@ -219,3 +219,19 @@ def test_mtp_cache_check_fails_when_the_cache_is_not_cropped(pairs, cache_engine
     monkeypatch.setattr(live.drafter.net, "crop", lambda layer, length: None)
     worst, _, rejected = mtp_cycles(live, fresh, pairs["qwen3_5"]["prompt"], cycles=12)
     assert rejected and worst > 1e-4
+
+
+@pytest.mark.mlx
+def test_seeded_sampling_with_sampled_drafts_matches_torch(pairs):
+    """Sampled MTP drafts (dense q) verified by speculative sampling on the hybrid Qwen3.5 target:
+    one seed gives the same tokens and cycles on both backends, rejections included."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    pair = pairs["qwen3_5"]
+    kwargs = dict(prompt_ids=pair["prompt"], max_new_tokens=NEW_TOKENS, ignore_eos=True, block_size=BLOCK,
+                  temperature=1.0, top_p=0.95, seed=7)
+    runs = {kind: engine(kind, pair["target"], sample_drafts=True).run(**kwargs) for kind in ("torch", "mlx")}
+    assert runs["mlx"].token_ids == runs["torch"].token_ids
+    lengths = runs["torch"].stats.acceptance_lengths
+    assert runs["mlx"].stats.acceptance_lengths == lengths
+    assert min(lengths) == 1 and max(lengths) > 1, lengths
