@@ -150,6 +150,9 @@ class DeltaCache(ArraysCache):
         if n <= 0:
             self.forget()
             return 0
+        if width == 0:
+            raise RollbackError("a Gated DeltaNet state can roll back only within the last verified block, and the "
+                                "last forward recorded none (prefill or a one-token step)")
         if n >= width:
             raise RollbackError(f"a Gated DeltaNet state can roll back at most {width - 1} of the last verified "
                                 f"block's {width} positions, not {n}")
