@@ -264,3 +264,15 @@ def test_hybrid_families_are_the_ones_recorded():
     from speculant.backends.mlx.families import DELTA_FAMILIES
 
     assert set(HYBRID) <= set(DELTA_FAMILIES)
+
+
+def test_a_family_mlx_lm_lacks_is_refused_before_weights_load(tmp_path):
+    from speculant.backends.mlx import families
+    from speculant.core.validator import read_target_info
+
+    cfg = {"model_type": "made_up", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")  # never read
+    with pytest.raises(families.FamilyError, match="mlx-lm has no model for the 'made_up' family") as caught:
+        families.load(tmp_path, read_target_info(tmp_path))
+    assert caught.value.field == "target.path"

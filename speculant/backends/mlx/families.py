@@ -36,6 +36,9 @@ IGNORED_KEYS = {"gemma3_text": ("final_logit_softcapping", "attn_logit_softcappi
 class FamilyError(ConfigError):
     """This target family cannot be run (exactly) by the MLX backend."""
 
+    def __init__(self, message: str, field: str | None = "target.path") -> None:
+        super().__init__(message, field)
+
 
 def family(info: TargetInfo) -> str:
     top = info.raw.get("model_type") if isinstance(info.raw, dict) else None
