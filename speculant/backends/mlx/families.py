@@ -236,7 +236,8 @@ def check_layers(model, info: TargetInfo) -> None:
     got = model_layer_kinds(model)
     name = family(info)
     if len(got) != len(info.layer_types):
-        raise FamilyError(f"{name}: mlx-lm's model has {len(got)} layers, the config's layer_types {len(info.layer_types)}")
+        raise FamilyError(f"{name}: mlx-lm's model has {len(got)} layers, the config's layer_types "
+                          f"{len(info.layer_types)}")
     for i, ((kind, window), want) in enumerate(zip(got, info.layer_types)):
         if kind != want:
             raise FamilyError(f"{name}: mlx-lm's model treats layer {i} as {kind} but the config's layer_types says "
