@@ -175,3 +175,45 @@ def test_embed_gives_the_rows_the_first_layer_reads(families, family, backend):
     rows = rows.numpy() if backend == "torch" else np.array(rows)
     expected = transformers_hidden_states(pair["target"], PROMPT)[0][0].numpy()
     np.testing.assert_allclose(rows, expected, atol=1e-4, rtol=1e-4)
+
+
+# -- the drafts' own logit transform ---------------------------------------------------------------
+CAP, MULTIPLIER = 2.0, 0.5
+
+
+@pytest.fixture(scope="module")
+def softcapped(tmp_path_factory, torch_threads):
+    """A Muse Glimmer target (its forward multiplies and soft-caps its logits, on both backends)
+    and DFlash / DFlash2 drafts whose configs carry their own multiplier and soft-cap, as the
+    published DFlash2 for Muse Glimmer does."""
+    import json
+
+    root = tmp_path_factory.mktemp("softcapped")
+    out = {"target": build_tiny_family(root / "target", "muse_glimmer")}
+    out["dflash"] = build_tiny_dflash(root / "dflash", out["target"], seed=7, target_layer_ids=LAYER_IDS)
+    out["dflash2"] = build_tiny_dflash2(root / "dflash2", out["target"], seed=7, target_layer_ids=LAYER_IDS)
+    for kind in KINDS:
+        draft = json.loads((out[kind] / "config.json").read_text())
+        draft["dflash_config"].update(final_logit_softcapping=CAP, output_multiplier=MULTIPLIER)
+        (out[kind] / "config.json").write_text(json.dumps(draft))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafts_transform_the_bare_head_once(softcapped, kind, backend):
+    """Published drafts compute ``cap * tanh(head(h) * output_multiplier / cap)`` from the target's
+    bare output projection (as the trainer does); the target's own transform, which
+    ``target.lm_head`` includes, must not come first."""
+    from safetensors.numpy import load_file
+
+    if backend == "mlx":
+        mx = pytest.importorskip("mlx.core")
+    spec = engine(backend, softcapped["target"], kind, softcapped[kind])
+    head = load_file(str(softcapped["target"] / "model.safetensors"))["lm_head.weight"]
+    hidden = np.random.default_rng(0).standard_normal((3, head.shape[1])).astype(np.float32) * 4
+    expected = CAP * np.tanh(hidden @ head.T * MULTIPLIER / CAP)
+    rows = torch.from_numpy(hidden) if backend == "torch" else mx.array(hidden)
+    got = spec.drafter.logits(rows)
+    got = got.numpy() if backend == "torch" else np.array(got)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

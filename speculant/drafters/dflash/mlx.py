@@ -229,7 +229,8 @@ class MLXDFlashDrafter(Drafter):
         return m.norm(x[0, 1:])
 
     def logits(self, hidden: mx.array) -> mx.array:
-        logits = self.target.lm_head(hidden.astype(self.target_dtype)).astype(mx.float32)
+        # the bare head (the MLX target's, before its logit transform), as on PyTorch
+        logits = self.target._head(hidden.astype(self.target_dtype)).astype(mx.float32)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

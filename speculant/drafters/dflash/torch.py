@@ -339,9 +339,11 @@ class TorchDFlashDrafter(Drafter):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.backend.dtype)  # a quantized draft may compute in another dtype
-        if self.cfg.is_muse_glimmer:  # transformers' DFlash drafts with the bare head, before the target's logit transform
-            return self.target.model.get_output_embeddings()(hidden).float()
-        logits = self.target.lm_head(hidden).float()
+        # the bare head, as the published drafts and the trainer use it: target.lm_head includes the target's own
+        # logit transform (Gemma's soft-cap, Muse Glimmer's), which a draft's multiplier / soft-cap would repeat
+        logits = self.target.model.get_output_embeddings()(hidden).float()
+        if self.cfg.is_muse_glimmer:  # transformers' DFlash drafts with the bare head alone
+            return logits
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
