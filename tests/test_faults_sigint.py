@@ -35,7 +35,10 @@ def _start(backend: str, max_new_tokens: int) -> subprocess.Popen:
     env.pop("SPECULANT_DEBUG", None)
     argv = [sys.executable, "-m", "speculant", "generate", "--backend", backend, "--json",
             "--max-new-tokens", str(max_new_tokens), PROMPT]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # a SIGINT ignored by whoever started the tests (a background job) would be inherited: Python
+    # then installs no KeyboardInterrupt handler, so reset it to the default for the child
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _interrupt_after_first_byte(process: subprocess.Popen, delay: float) -> tuple[bytes, bytes]:
