@@ -221,7 +221,7 @@ def _check_device(config: EngineConfig, backend_cls, add) -> None:
     if config.backend.device in ("auto", ""):
         return
     try:
-        backend_cls(config.backend)
+        backend_cls(config.backend).int_array([0])  # the allocation fails for an absent device index
     except Exception as exc:  # each backend raises its own type for an unknown or absent device
         add(Problem("backend.device", f"{config.backend.device!r} cannot be used by the {config.backend.kind} "
                     f"backend here: {exc}", "use 'auto' or 'cpu', or a device this machine has"))
