@@ -376,6 +376,7 @@ CONFIG_FAULTS = [
     ({"backend": {"device": "cuda:7"}}, "backend.device"),
     ({"drafter": {"options": {"widht": 3}}}, "drafter.options"),
     ({"verifier": {"kind": "greedy", "options": {"x": 1}}}, "verifier.options"),
+    ({"verifier": {"options": {"x": 1}}}, "verifier.options"),
 ]
 
 

@@ -333,7 +333,8 @@ def _check_quantization(config: EngineConfig, add) -> None:
 
 def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, registry, add) -> None:
     kind = config.verifier.kind
-    if kind == "auto":
+    if kind == "auto":  # the exact rule of speculative_sampling, which takes no options
+        _check_options("verifier", kind, None, config.verifier.options, add)
         return
     cls = registry.verifiers.get(kind)
     if cls is None:
