@@ -1,0 +1,28 @@
+"""``speculant serve``: an OpenAI-compatible HTTP server over one engine (needs the [serve] extra).
+
+One engine decodes one request at a time; others wait in a bounded FIFO queue. For more
+throughput run more server processes (each loads its own copy of the weights) behind a proxy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def create_app(engine: Any, **options: Any):
+    """The ASGI app serving ``engine``; see :func:`speculant.serve.app.create_app`."""
+    from speculant.serve.app import create_app as build
+
+    return build(engine, **options)
+
+
+def run(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info",
+        **options: Any) -> None:
+    """Serve ``engine`` with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, **options), host=host, port=port, log_level=log_level,
+                limit_concurrency=None, timeout_graceful_shutdown=5)

@@ -1,0 +1,126 @@
+"""Request bodies of the OpenAI API as pydantic models, and the OpenAI error body.
+
+Unknown fields are refused (as OpenAI does), except the few clients send by default and that
+change nothing here; ranges follow OpenAI's, ``top_k`` follows vLLM's (-1 or 0 = off).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ApiError(Exception):
+    """An error the server answers with an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    # None: the engine config's sampling settings (greedy for the shipped pair)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("at most 4 non-empty stop strings")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        """The engine.generate overrides this request sets."""
+        out: dict[str, Any] = {"stop_strings": self.stop_strings()}
+        for key in ("temperature", "top_p", "seed"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.top_k is not None:
+            out["top_k"] = max(0, self.top_k)  # vLLM's -1 is speculant's 0: off
+        return out
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """``model.model_validate(data)``; the first problem as a 400 naming the field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        kind = "unrecognized_argument" if err["type"] == "extra_forbidden" else err["type"]
+        message = ("Unrecognized request argument supplied: " + str(param) if err["type"] == "extra_forbidden"
+                   else f"{param}: {err['msg']}")
+        raise ApiError(400, message, param=param, code=kind) from None

@@ -1,0 +1,134 @@
+"""One engine, one request at a time: a bounded FIFO queue in front of a single worker thread.
+
+Generation is synchronous and CPU/GPU bound, so it runs in the worker thread; chunks reach the
+event loop through an ``asyncio.Queue``. The thread checks the job's cancel flag and deadline
+after every chunk (one draft/verify cycle) and closes the generator, which frees the engine
+and keeps the statistics of what was produced. The thread itself releases the turn, so a
+client that vanished never leaves the engine held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from speculant.core.metrics import GenerationStats
+from speculant.core.types import Chunk
+from speculant.serve.schemas import ApiError
+
+
+@dataclass
+class Started:
+    """``engine.generate`` accepted the settings; chunks follow."""
+
+
+@dataclass
+class Done:
+    stats: GenerationStats | None
+    token_ids: list[int]
+    timed_out: bool = False
+
+
+@dataclass
+class Failed:
+    error: BaseException
+    stats: GenerationStats | None = None
+
+
+Event = Started | Chunk | Done | Failed
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_new_tokens: int | None
+    overrides: dict[str, Any]
+    deadline: float  # time.monotonic() after which the generation stops
+    loop: asyncio.AbstractEventLoop = field(default=None, repr=False)  # type: ignore[assignment]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def put(self, item: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutdown)
+            self.cancel.set()
+
+    async def stream(self) -> AsyncIterator[Event]:
+        while True:
+            item = await self.events.get()
+            yield item
+            if isinstance(item, (Done, Failed)):
+                return
+
+
+class Worker:
+    """Serializes requests to one engine; ``max_queue`` requests may wait, more get a 429."""
+
+    def __init__(self, engine: Any, max_queue: int = 64, timeout: float = 600.0, on_queue=None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.timeout = timeout
+        self.waiting = 0
+        self._turn = asyncio.Lock()  # FIFO: asyncio wakes lock waiters in arrival order
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="speculant-engine")
+        self._on_queue = on_queue or (lambda depth: None)
+
+    async def submit(self, prompt_ids: list[int], max_new_tokens: int | None, overrides: dict[str, Any]) -> Job:
+        """Wait for the engine (FIFO), start the job in the worker thread and return it."""
+        if self.waiting >= self.max_queue:
+            raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting (--max-queue "
+                           f"{self.max_queue}); retry later", "rate_limit_error", code="queue_full")
+        job = Job(prompt_ids, max_new_tokens, overrides, time.monotonic() + self.timeout)
+        job.loop = asyncio.get_running_loop()
+        self._queued(+1)
+        try:
+            await asyncio.wait_for(self._turn.acquire(), self.timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise ApiError(503, f"the request waited longer than the {self.timeout:g} s timeout for the engine",
+                           "server_error", code="timeout") from None
+        finally:
+            self._queued(-1)
+        try:
+            self._thread.submit(self._run, job)
+        except BaseException:
+            self._turn.release()
+            raise
+        return job
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _queued(self, delta: int) -> None:
+        self.waiting += delta
+        self._on_queue(self.waiting)
+
+    def _run(self, job: Job) -> None:
+        """In the worker thread: generate, hand every chunk over, stop on cancel or deadline."""
+        engine = self.engine
+        try:
+            chunks = engine.generate(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, **job.overrides)
+            job.put(Started())
+            timed_out = False
+            try:
+                for chunk in chunks:
+                    job.put(chunk)
+                    if job.cancel.is_set():
+                        break
+                    if time.monotonic() > job.deadline:
+                        timed_out = True
+                        break
+            finally:
+                chunks.close()  # frees the engine and records last_stats
+            job.put(Done(engine.last_stats, list(engine.last_token_ids), timed_out))
+        except Exception as exc:  # noqa: BLE001  every failure goes to the client, never kills the server
+            job.put(Failed(exc, engine.last_stats))
+        finally:
+            try:
+                job.loop.call_soon_threadsafe(self._turn.release)
+            except RuntimeError:
+                pass
