@@ -69,7 +69,7 @@ def test_default_block_is_five_on_mlx_and_the_trained_block_is_allowed(engines):
     assert engines["torch", "dflash2"].block_size == 8
     result = engines["mlx", "dflash2"].run(prompt_ids=[5, 6, 7], max_new_tokens=30, block_size=8, ignore_eos=True)
     assert max(result.stats.acceptance_lengths) <= 8
-    with pytest.raises(ValueError, match="block_size 9"):
+    with pytest.raises(ValueError, match="block_size: 9 is outside 2..8"):
         engines["mlx", "dflash2"].run(prompt_ids=[5], max_new_tokens=4, block_size=9)
 
 
