@@ -1,4 +1,5 @@
-"""The ``speculant`` command: ``generate``, ``validate``, ``check``, ``plugins``, ``bench`` and ``train``.
+"""The ``speculant`` command: ``generate``, ``validate``, ``check``, ``plugins``, ``bench``, ``train``,
+``serve`` and ``export``.
 
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub, common)
     _add_check(sub, common)
     _add_train(sub)
+    _add_serve(sub, common)
     return parser
 
 
@@ -103,6 +105,13 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     from speculant.bench.command import add_parser
 
     add_parser(sub, parents=[common])
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``speculant serve`` / ``export``: in speculant.serve.command (the server's packages load lazily)."""
+    from speculant.serve.command import add_parsers
+
+    add_parsers(sub, [common], _add_override_flags)
 
 
 def _add_check(sub: Any, common: argparse.ArgumentParser) -> None:

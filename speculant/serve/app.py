@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hmac
 import json
@@ -25,10 +26,16 @@ OPEN_PATHS = ("/health",)  # reachable without the API key
 def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | None = None, max_queue: int = 64,
                timeout: float = 600.0, max_body_bytes: int = 1 << 20) -> FastAPI:
     """An app serving ``engine`` (loaded once) under the model name ``model_name``."""
-    app = FastAPI(title="speculant", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics()
     server = _Server(engine, model_name, metrics, Worker(engine, max_queue, timeout, metrics.queue_depth.set),
                      max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.worker.close()
+
+    app = FastAPI(title="speculant", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
 
     @app.middleware("http")
@@ -68,10 +75,6 @@ def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | Non
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await server.complete(request, chat=False)
-
-    @app.on_event("shutdown")
-    async def stop_worker():
-        server.worker.close()
 
     return app
 

@@ -119,8 +119,9 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = str(err["loc"][0]) if err["loc"] else None  # the request field, not a union member's tag
+        where = ".".join(str(p) for p in err["loc"]) or "body"
         kind = "unrecognized_argument" if err["type"] == "extra_forbidden" else err["type"]
         message = ("Unrecognized request argument supplied: " + str(param) if err["type"] == "extra_forbidden"
-                   else f"{param}: {err['msg']}")
+                   else f"{where}: {err['msg']}")
         raise ApiError(400, message, param=param, code=kind) from None
