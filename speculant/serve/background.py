@@ -14,7 +14,9 @@ def serving(app: Any, startup_timeout: float = 30.0) -> Iterator[str]:
     """Yield the base URL (``http://127.0.0.1:PORT``) of ``app`` served by uvicorn; stop on exit."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it every response waits ~40 ms for a delayed ACK (Nagle)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # loopback only, a port the OS picks
     port = sock.getsockname()[1]

@@ -1,0 +1,124 @@
+"""speculant serve vs the library on the shipped pair: TTFT and decode tok/s seen by a streaming
+client against the same engine called in-process, then throughput and p50/p95 latency at 1, 4
+and 16 concurrent clients.
+
+    python benchmarks/serve_overhead.py [--repeats 3] [--max-new-tokens 64] [--threads 2]
+
+Library and server runs alternate on the same engine (the adaptive verifier learns across
+requests, so neither side gets all the warm runs). Client-side times include HTTP, JSON and SSE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Point:\n    def __init__(self, x, y):\n",
+           "for i in range(10):\n"]
+
+
+def library_run(engine, prompt: str, n: int) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first = last = None
+    for chunk in engine.generate(prompt, max_new_tokens=n, temperature=0):
+        if chunk.token_ids:
+            last = time.perf_counter()
+            first = first or last
+    tokens = engine.last_stats.new_tokens
+    return first - t0, _rate(tokens, first, last), tokens
+
+
+def server_run(http, url: str, prompt: str, n: int) -> tuple[float, float, int]:
+    body = {"model": "speculant", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with http.stream("POST", url + "/v1/completions", json=body) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"] and event["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    return first - t0, _rate(tokens, first, last), tokens
+
+
+def _rate(tokens: int, first: float, last: float) -> float:
+    return (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
+
+
+def overhead(engine, url: str, repeats: int, n: int) -> None:
+    import httpx
+
+    rows = {"library": [], "server": []}
+    with httpx.Client(timeout=300) as http:
+        server_run(http, url, PROMPTS[0], 8)  # warm-up
+        library_run(engine, PROMPTS[0], 8)
+        for _ in range(repeats):
+            for prompt in PROMPTS:
+                rows["library"].append(library_run(engine, prompt, n))
+                rows["server"].append(server_run(http, url, prompt, n))
+    print(f"{'':8} {'TTFT ms (median)':>17} {'decode tok/s (median)':>22}")
+    medians = {}
+    for side, runs in rows.items():
+        ttft = statistics.median(r[0] for r in runs) * 1000
+        rate = statistics.median(r[1] for r in runs if r[1] == r[1])
+        medians[side] = (ttft, rate)
+        print(f"{side:8} {ttft:17.1f} {rate:22.1f}")
+    (lt, lr), (st, sr) = medians["library"], medians["server"]
+    print(f"server overhead: TTFT {st - lt:+.1f} ms ({(st / lt - 1) * 100:+.1f} %), "
+          f"decode {(sr / lr - 1) * 100:+.1f} %")
+
+
+def load(url: str, clients: int, per_client: int, n: int) -> None:
+    import httpx
+
+    def session(c: int) -> list[tuple[float, int]]:
+        out = []
+        with httpx.Client(timeout=600) as http:
+            for r in range(per_client):
+                t = time.perf_counter()
+                reply = http.post(url + "/v1/completions", json={"model": "speculant", "prompt": PROMPTS[(c + r) % 4],
+                                                                 "max_tokens": n, "temperature": 0})
+                out.append((time.perf_counter() - t, reply.json()["usage"]["completion_tokens"]))
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [x for s in pool.map(session, range(clients)) for x in s]
+    wall = time.perf_counter() - t0
+    latencies = sorted(r[0] for r in results)
+    p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]
+    print(f"{clients:3} clients: {sum(r[1] for r in results) / wall:7.1f} tok/s, {len(results) / wall:5.2f} req/s, "
+          f"latency p50 {statistics.median(latencies):6.2f} s, p95 {p95:6.2f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    import torch
+
+    from speculant import Engine, embedded
+    from speculant.serve import create_app
+    from speculant.serve.background import serving
+
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_config(embedded.engine_config(backend="torch"))
+    with serving(create_app(engine, max_queue=64)) as url:
+        overhead(engine, url, args.repeats, args.max_new_tokens)
+        for clients in (1, 4, 16):
+            load(url, clients, max(1, 16 // clients), args.max_new_tokens)
+
+
+if __name__ == "__main__":
+    main()
