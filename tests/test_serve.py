@@ -295,3 +295,54 @@ def test_non_finite_logits_end_the_request_with_an_error_event(tmp_path, tiny_ta
         whole = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=TIMEOUT)
         assert whole.status_code == 500 and whole.json()["error"]["code"] == "NonFiniteLogitsError"
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_generation_past_the_timeout_ends_with_an_error(engine):
+    with serving(create_app(engine, timeout=0.3)) as url:
+        body = {"model": "speculant", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert reply.status_code == 504 and reply.json()["error"]["code"] == "timeout"
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as reply:
+            events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+    assert engine.last_stats.new_tokens < 1500
+
+
+# -- the command ----------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_speculant_serve_command_binds_loopback_and_takes_the_key_from_the_environment(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {**os.environ, "SPECULANT_API_KEY": "k3y"}
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--port", str(port), "--drafter", "dflash",
+                             "--backend", "torch"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "speculant serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", timeout=TIMEOUT).status_code == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=TIMEOUT)
+        assert client.completions.create(model="speculant", prompt="x = ", max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    assert f"serving 'speculant' on http://127.0.0.1:{port}/v1" in proc.stdout.read().decode()
