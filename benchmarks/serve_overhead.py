@@ -4,15 +4,21 @@ and 16 concurrent clients.
 
     python benchmarks/serve_overhead.py [--repeats 3] [--max-new-tokens 64] [--threads 2]
 
-Library and server runs alternate on the same engine (the adaptive verifier learns across
-requests, so neither side gets all the warm runs). Client-side times include HTTP, JSON and SSE.
+The server is a ``speculant serve`` process of its own (as users run it), the library engine
+lives in this process; their runs alternate, each engine seeing the same sequence of requests
+(the adaptive verifier learns across requests). Client-side times include HTTP, JSON and SSE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,18 +112,46 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    # Two processes on the same cores: OpenMP threads that spin after a forward would steal the
+    # other process's time, so both wait passively.
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     import torch
 
     from speculant import Engine, embedded
-    from speculant.serve import create_app
-    from speculant.serve.background import serving
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_config(embedded.engine_config(backend="torch"))
-    with serving(create_app(engine, max_queue=64)) as url:
+    with server_process(args.threads) as url:
         overhead(engine, url, args.repeats, args.max_new_tokens)
         for clients in (1, 4, 16):
             load(url, clients, max(1, 16 // clients), args.max_new_tokens)
+
+
+@contextlib.contextmanager
+def server_process(threads: int):
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--port", str(port), "--backend", "torch",
+                             "--max-queue", "64"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("speculant serve did not start")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

@@ -38,14 +38,8 @@ def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | Non
     app = FastAPI(title="speculant", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                       "authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -77,6 +71,24 @@ def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | Non
         return await server.complete(request, chat=False)
 
     return app
+
+
+class BearerAuth:
+    """Pure ASGI (no BaseHTTPMiddleware, which re-buffers every streamed chunk): every path but
+    /health needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                 "authentication_error", code="invalid_api_key")
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -121,9 +133,9 @@ class _Server:
             raise
         shape = Shape(chat, self.model_name, bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
-            return StreamingResponse(self._stream(request, job, shape, len(ids)), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, job, shape, len(ids))
+        return await self._whole(request, job, shape)
 
     async def _read_json(self, request: Request) -> Any:
         declared = request.headers.get("content-length")
@@ -171,7 +183,7 @@ class _Server:
         return finish_reason(stats.stop_reason if stats else None), usage(
             stats.prompt_tokens if stats else 0, len(done.token_ids)), extra
 
-    async def _whole(self, request: Request, job: Job, shape: Shape, prompt_tokens: int) -> Response:
+    async def _whole(self, request: Request, job: Job, shape: Shape) -> Response:
         parts: list[str] = []
         try:
             async for event in job.stream():
@@ -192,16 +204,14 @@ class _Server:
         raise ApiError(504, f"the request ran past the {self.worker.timeout:g} s timeout", "server_error",
                        code="timeout")
 
-    async def _stream(self, request: Request, job: Job, shape: Shape, prompt_tokens: int) -> AsyncIterator[bytes]:
+    async def _stream(self, job: Job, shape: Shape) -> AsyncIterator[bytes]:
         try:
             if shape.chat:
                 yield sse(shape.chunk("", first=True))
             async for event in job.stream():
                 if isinstance(event, Chunk):
-                    if event.text:
+                    if event.text:  # a send to a client that left ends this generator: see finally
                         yield sse(shape.chunk(event.text))
-                    if await request.is_disconnected():
-                        job.cancel.set()
                 elif isinstance(event, Failed):
                     self.metrics.record(event.stats, self.engine.speculative)
                     yield sse(_as_api_error(event.error).body())
