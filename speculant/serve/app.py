@@ -201,8 +201,11 @@ class _Server:
                     return JSONResponse(shape.full("".join(parts), finish, use, extra))
         finally:
             job.cancel.set()
-        raise ApiError(504, f"the request ran past the {self.worker.timeout:g} s timeout", "server_error",
-                       code="timeout")
+        raise self._timeout()
+
+    def _timeout(self) -> ApiError:
+        return ApiError(504, f"the request ran past the {self.worker.timeout:g} s timeout", "server_error",
+                        code="timeout")
 
     async def _stream(self, job: Job, shape: Shape) -> AsyncIterator[bytes]:
         try:
@@ -217,8 +220,7 @@ class _Server:
                     yield sse(_as_api_error(event.error).body())
                 elif isinstance(event, Done):
                     if event.timed_out:
-                        yield sse(ApiError(504, f"the request ran past the {self.worker.timeout:g} s timeout",
-                                           "server_error", code="timeout").body())
+                        yield sse(self._timeout().body())
                         break
                     finish, use, extra = self._finish(event)
                     yield sse(shape.last(finish, extra))
