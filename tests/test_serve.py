@@ -97,11 +97,11 @@ def test_chat_streamed_and_not_equal_offline(engine, client):
                                            temperature=0)
     assert whole.choices[0].message.content == expected.text and whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == len(expected.token_ids)
-    text = ""
-    for event in client.chat.completions.create(model="speculant", messages=messages, max_tokens=16, temperature=0,
-                                                stream=True):
-        text += event.choices[0].delta.content or ""
-    assert text == expected.text
+    events = list(client.chat.completions.create(model="speculant", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == expected.text
+    assert events[0].choices[0].delta.role == "assistant"
+    assert events[-1].usage.completion_tokens == len(expected.token_ids)
 
 
 def test_sampling_fields_stop_seed_top_k(engine, client):
