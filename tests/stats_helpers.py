@@ -3,9 +3,9 @@ target distribution and a chi-square goodness-of-fit test."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from speculant.check import chi_square_sf
 
 
 def reference_probs(logits, temperature, top_k=0, top_p=1.0):
@@ -25,37 +25,8 @@ def reference_probs(logits, temperature, top_k=0, top_p=1.0):
 
 
 def chi2_sf(stat: float, df: int) -> float:
-    """Survival function of the chi-square distribution: regularised upper gamma Q(df/2, stat/2)."""
-    a, x = df / 2.0, stat / 2.0
-    if x <= 0:
-        return 1.0
-    log_prefix = a * math.log(x) - x - math.lgamma(a)
-    if x < a + 1:  # series for P(a, x)
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > abs(total) * 1e-15:
-            n += 1
-            term *= x / n
-            total += term
-        return max(0.0, 1.0 - total * math.exp(log_prefix))
-    # Lentz continued fraction for Q(a, x)
-    tiny = 1e-300
-    b = x + 1 - a
-    c, d = 1 / tiny, 1 / b
-    h = d
-    for i in range(1, 10_000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1) < 1e-15:
-            break
-    return math.exp(log_prefix) * h
+    """Survival function of the chi-square distribution (the one ``speculant check`` uses)."""
+    return chi_square_sf(stat, df)
 
 
 def gof_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
