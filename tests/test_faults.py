@@ -212,7 +212,10 @@ def _widen(weights) -> None:
 DAMAGE = {
     "missing": (lambda w: w.pop(_layer_tensor(w)), r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"),
     "mis-shaped": (_widen, r"model\.layers\.1\.mlp\.up_proj\.weight has shape \[\d+, \d+\]"),
+    "missing-final-norm": (lambda w: w.pop("model.norm.weight"), r"missing tensor model\.norm\.weight"),
+    "missing-lm-head": (lambda w: w.pop("lm_head.weight"), r"missing tensor lm_head\.weight"),
 }
+LOAD_NAMES = {"missing-final-norm": r"model\.norm\.weight", "missing-lm-head": r"lm_head\.weight"}
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -226,7 +229,7 @@ def test_validate_and_load_name_a_damaged_layer_tensor(tmp_path, tiny_target, da
     from speculant.backends.torch.target import TorchTarget
     from speculant.core.config import BackendConfig
 
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(CheckpointError, match=LOAD_NAMES.get(damage, r"model\.layers\.1\.mlp\.up_proj\.weight")):
         TorchTarget.load(str(path), report.target, TorchBackend(BackendConfig(device="cpu", dtype="float32")))
 
 

@@ -4,8 +4,9 @@ The exact list of tensors a target needs is known only to the backend that build
 (``strict`` loading there names every missing, unexpected or mis-shaped tensor). Without
 building it, the headers still show a damaged checkpoint: a file shorter than its header says
 (truncated), a tensor whose byte range does not fit its dtype and shape, a shard an index names
-that is not there, a decoder layer lacking a tensor its siblings of the same kind have, or one
-layer whose tensor's shape differs from all its siblings'.
+that is not there, a decoder layer lacking a tensor its siblings of the same kind have, one
+layer whose tensor's shape differs from all its siblings', and, in checkpoints named the Llama
+way (``...layers.N...``), a missing or mis-shaped input embedding, final norm or untied LM head.
 """
 
 from __future__ import annotations
@@ -145,6 +146,29 @@ def _shape_problems(prefix: str, layers: dict[int, dict]) -> list[str]:
     return problems
 
 
+def outer_problems(shapes: dict[str, tuple[int, ...]], info: TargetInfo) -> list[str]:
+    """The text decoder's tensors outside its layers: ``embed_tokens`` [vocab, hidden], the final
+    ``norm`` [hidden] and, unless tied, ``lm_head`` [vocab, hidden]. Only for unquantized
+    checkpoints named the Llama way (packed quantized shapes differ; other namings are unknown)."""
+    text = {n: s for n, s in shapes.items() if not any(w in n.split(".")[0:3] for w in _SKIPPED_PREFIX_WORDS)
+            and not any(n.startswith(w) for w in _SKIPPED_PREFIX_WORDS)}
+    layered = [n for n in text if _LAYER.match(n)]
+    if info.quantization or not layered:
+        return []
+    decoder = layered[0][: layered[0].index("layers.")]  # "model." or "model.language_model."
+    vocab_rows, hidden = (info.vocab_size, info.hidden_size), (info.hidden_size,)
+    wanted = {f"{decoder}embed_tokens.weight": vocab_rows, f"{decoder}norm.weight": hidden}
+    if not info.tie_word_embeddings:
+        wanted["lm_head.weight"] = vocab_rows
+    problems = []
+    for name, shape in wanted.items():
+        if name not in text:
+            problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+        elif text[name] != shape:
+            problems.append(f"tensor {name} has shape {list(text[name])}, expected {list(shape)}")
+    return problems
+
+
 def target_tensor_problems(folder: str | Path, info: TargetInfo) -> list[str]:
     """Everything the headers show wrong with a target folder's safetensors (empty when none)."""
     folder = Path(folder)
@@ -157,4 +181,4 @@ def target_tensor_problems(folder: str | Path, info: TargetInfo) -> list[str]:
             if name in shapes:
                 problems.append(f"tensor {name} appears in more than one shard")
         shapes.update(found)
-    return problems + layer_problems(shapes, info)
+    return problems + layer_problems(shapes, info) + outer_problems(shapes, info)
