@@ -91,7 +91,27 @@ def chi_square_pvalue(samples):
     return scipy_stats.chisquare(obs, exp).pvalue
 
 
-def test_sampling_is_lossless_with_widths_varying_per_cycle():
+class SteadyClock:
+    """The verifier times its own host work, which the cost model learns from; under a loaded
+    machine that changed the widths and so the (fixed-seed) sample. A steady clock keeps the
+    unit test deterministic: each reading is 0.1 ms after the last."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-4
+        return self.now
+
+
+@pytest.fixture
+def steady_clock(monkeypatch):
+    import speculant.verifiers.adaptive as adaptive
+
+    monkeypatch.setattr(adaptive, "time", SteadyClock())
+
+
+def test_sampling_is_lossless_with_widths_varying_per_cycle(steady_clock):
     verifier = AdaptiveVerifier({"hysteresis": 0.0, "probe_interval": 2, "max_probe_interval": 8, "refresh_interval": 5})
     samples, widths = generate(verifier, 8_000)
     counts = np.bincount(widths, minlength=K + 1)
@@ -99,7 +119,39 @@ def test_sampling_is_lossless_with_widths_varying_per_cycle():
     assert chi_square_pvalue(samples) > 1e-3
 
 
-def test_a_policy_that_peeks_at_the_target_is_detected():
+def cycle(verifier, draft, accepted_if_submitted, ctx=100):
+    """One engine-like cycle; returns the width the verifier chose."""
+    if not verifier.wants_draft(K, ctx):
+        verifier.observe(Verification(0, [0]), 0, CycleTiming(ctx, 0, 0, COSTS[0], 0.0))
+        return 0
+    n = verifier.plan(draft, K, ctx)
+    accepted = min(n, accepted_if_submitted)
+    verifier.observe(Verification(accepted, [0] * (accepted + 1)), n, CycleTiming(ctx, n, K, COSTS[n], 0.01))
+    return n
+
+
+def test_a_sampled_drafts_own_confidence_never_chooses_its_width(steady_clock):
+    """Verifying x_i only when its own q(x_i) is high biases the output (a sampled draft's
+    confidence is a function of the token drawn), so sampled drafts are planned from history;
+    an argmax draft's confidence (a function of the context) still steers the width."""
+    tokens = np.arange(1, K + 1)
+    probs = np.full((K, V), 1.0 / V, dtype=np.float32)
+    widths = {}
+    for kind in ("argmax", "sampled"):
+        extra = {"draft_probs": probs} if kind == "sampled" else {}
+        verifier = AdaptiveVerifier({"hysteresis": 0.0})
+        verifier.begin(1)
+        for i in range(300):  # confident drafts are accepted whole, unsure ones not at all
+            confident = i % 2 == 0
+            cycle(verifier, Draft(tokens, K, confidence=[0.95 if confident else 0.05] * K, **extra),
+                  K if confident else 0)
+        widths[kind] = {c: max(cycle(verifier, Draft(tokens, K, confidence=[c] * K, **extra), 0) for _ in range(3))
+                        for c in (0.95, 0.05)}
+    assert widths["argmax"][0.95] > widths["argmax"][0.05], widths
+    assert widths["sampled"][0.95] == widths["sampled"][0.05], widths
+
+
+def test_a_policy_that_peeks_at_the_target_is_detected(steady_clock):
     verifier = AdaptiveVerifier({"hysteresis": 0.0, "probe_interval": 2, "max_probe_interval": 8})
     samples, _ = generate(verifier, 4_000, seed=5, cheat=True)
     assert chi_square_pvalue(samples) < 1e-6

@@ -60,7 +60,11 @@ class AdaptiveVerifier(Verifier):
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
-        confidence = host_confidence(draft.confidence)
+        # A sampled draft's confidence is its own q(x_i): choosing whether to verify x_i from the
+        # value x_i took biases the output (with q = (.5, .5), p = (.9, .1) and "verify x only
+        # when x = 0", token 0 comes out 95 % of the time). Widths then come from history alone;
+        # an argmax draft's confidence is a function of the context, which is safe.
+        confidence = None if draft.draft_probs is not None else host_confidence(draft.confidence)
         return self.policy.plan(draft.num_tokens, max_tokens, context_length, confidence)
 
     def verify(
