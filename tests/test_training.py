@@ -261,3 +261,32 @@ def test_a_sliding_window_reaches_the_config_and_training_sees_what_inference_se
     inferred = drafter._hidden(DraftRequest(int(tokens[anchor]), anchor, 3))
     assert torch.allclose(trained, inferred, atol=1e-5)
     assert not torch.allclose(everything, inferred, atol=1e-3)  # the window matters here: the check can fail
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_drafts_train_for_a_composite_hybrid_target(tmp_path, kind):
+    """Qwen3.5 checkpoints keep the text model's config under text_config: the trainers read it
+    there (they raised KeyError on num_hidden_layers), and the draft they write decodes losslessly."""
+    from speculant.testing.tiny_families import build_tiny_family
+    from speculant.training.dflash import DFlashShape, generate_sequences, train_dflash
+    from speculant.training.dflash2 import DFlash2Shape, train_dflash2
+    from speculant.training.features import load_frozen_target
+
+    target = build_tiny_family(tmp_path / "target", "qwen3_5")
+    prompts = np.random.default_rng(0).integers(2, 300, size=(4, 8)).astype(np.int32)
+    sequences = generate_sequences(load_frozen_target(target), prompts, 16)
+    settings = TrainSettings(steps=3, lr=1e-2, bf16=False, checkpoint_every=100, warmup_ratio=0.1)
+    if kind == "dflash":
+        shape = DFlashShape(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=4)
+        draft = train_dflash(target, sequences, 8, tmp_path / "draft", shape, settings, batch=2)
+    else:
+        shape = DFlash2Shape(num_layers=1, block_size=4, num_features=2, anchors_per_sequence=4,
+                             selector_rank=8, selector_top_k=4, sliding_window=64)
+        draft = train_dflash2(target, sequences, 8, tmp_path / "draft", shape, settings, batch=2)
+    config = json.loads((draft / "config.json").read_text())
+    assert config["num_target_layers"] == 4 and config["hidden_size"] == 64
+    spec = speculant.Engine.from_config({"target": {"path": str(target)}, "drafter": {"kind": kind, "path": str(draft)}})
+    plain = spec.without_drafter()
+    prompt = sequences[0, :8].tolist()
+    result = spec.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True)
+    assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).token_ids

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant.core.types import Capture
+from speculant.core.validator import text_config
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
 from speculant.drafters.dflash.torch import ContextRows
 from speculant.training.features import capture_batch, load_frozen_target
@@ -182,7 +183,7 @@ def mask_token_id(target_dir: Path, drafter: str = "DFlash") -> int:
 
 
 def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFlashConfig:
-    tcfg = json.loads((target_dir / "config.json").read_text())
+    tcfg = text_config(json.loads((target_dir / "config.json").read_text()))  # composite: the text part
     mask = mask_token_id(target_dir)
     layer_ids = shape_layer_ids(shape, tcfg["num_hidden_layers"])
     out_dir.mkdir(parents=True, exist_ok=True)

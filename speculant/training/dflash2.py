@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant.core.types import Capture
+from speculant.core.validator import text_config
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
 from speculant.training.dflash import anchor_batch, copy_draft, draft_forward, mask_token_id, shape_layer_ids, weighted_block_ce
 from speculant.training.features import capture_batch, load_frozen_target
@@ -65,7 +66,7 @@ def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
 
 
 def new_dflash2_config(target_dir: Path, out_dir: Path, shape: DFlash2Shape) -> DFlashConfig:
-    tcfg = json.loads((target_dir / "config.json").read_text())
+    tcfg = text_config(json.loads((target_dir / "config.json").read_text()))  # composite: the text part
     mask = mask_token_id(target_dir, "DFlash2")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(dflash2_config(tcfg, mask, shape), indent=2))
