@@ -184,9 +184,15 @@ def test_target_missing_a_tensor_is_refused_before_decoding(tmp_path, tiny_targe
     if backend == "mlx":
         pytest.importorskip("mlx_lm")
     path = _damaged(tmp_path, tiny_target, "no_norm", lambda w: w.pop("model.norm.weight"))
-    # not a decoder-layer tensor, so the headers alone cannot show it is missing: the strict load must
-    with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
+    with pytest.raises(ValidationFailed, match=r"missing tensor model\.norm\.weight"):  # from the headers
         speculant.Engine.from_config(config(path, backend=backend))
+    # and the backend's strict load refuses it too, for what headers alone cannot show
+    from speculant.core.config import BackendConfig
+    from speculant.plugins.manager import get_registry
+
+    backend_obj = get_registry().backends[backend](BackendConfig(kind=backend, device="cpu", dtype="float32"))
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
+        backend_obj.load_target(str(path), validate(config(path, backend=backend)).target)
 
 
 def test_target_with_an_unexpected_tensor_is_refused(tmp_path, tiny_target):
