@@ -42,6 +42,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, _BaseCache
 
+from speculant.backends.mlx.wrapper import Wrapper
+
 
 class RollbackError(RuntimeError):
     """A cache was asked to give back rows it no longer has."""
@@ -218,12 +220,11 @@ def forget_all(caches: list) -> None:
             c.forget()
 
 
-class ConvTap(nn.Module):
+class ConvTap(Wrapper):
     """Calls a DeltaNet's ``conv1d`` and, while recording, keeps its input for layer ``index``."""
 
     def __init__(self, conv: nn.Module, index: int) -> None:
-        super().__init__()
-        self.conv = conv
+        super().__init__(conv)
         self.index = index
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -231,16 +232,7 @@ class ConvTap(nn.Module):
             rec = _ACTIVE[-1]
             rec.layer = self.index
             rec.caches[self.index].conv_input = x
-        return self.conv(x)
-
-    def __getattr__(self, key: str):
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            wrapped = self.get("conv")
-            if wrapped is None:
-                raise
-            return getattr(wrapped, key)
+        return self.module(x)
 
 
 def _per_position(original):

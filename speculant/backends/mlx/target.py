@@ -19,6 +19,7 @@ import mlx.nn as nn
 from speculant.backends.mlx import families
 from speculant.backends.mlx.caches import forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
+from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -56,16 +57,11 @@ class Recorder:
         return features, final
 
 
-class Tap(nn.Module):
-    """Calls ``module`` and hands its output to the recorder when ``key`` is wanted.
-
-    Attribute reads the wrapper does not have go to the wrapped module, so model code that
-    inspects its layers (``layer.use_sliding`` in mlx-lm's Llama) keeps working.
-    """
+class Tap(Wrapper):
+    """Calls ``module`` and hands its output to the recorder when ``key`` is wanted."""
 
     def __init__(self, module: nn.Module, key: Any, recorder: Recorder) -> None:
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.tap_key = key
         self.recorder = recorder
 
@@ -74,15 +70,6 @@ class Tap(nn.Module):
         if self.tap_key in self.recorder.wanted:
             self.recorder.got[self.tap_key] = out[0] if isinstance(out, tuple) else out
         return out
-
-    def __getattr__(self, key: str):
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            wrapped = self.get("module")
-            if wrapped is None:
-                raise
-            return getattr(wrapped, key)
 
 
 def text_model(model: nn.Module) -> nn.Module:
