@@ -14,7 +14,8 @@ from typing import Any
 from speculant.bench.matrix import Cell
 from speculant.core.config import EngineConfig
 from speculant.core.engine import Engine, _make_verifier
-from speculant.core.validator import Problem, Report, validate
+from speculant.core.problems import Problem, Report
+from speculant.core.validator import validate
 
 
 class CellSkipped(Exception):

@@ -18,7 +18,8 @@ from speculant.core.lookup import DEFAULT_BLOCK_SIZE as LOOKUP_BLOCK_SIZE, Promp
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, SamplingParams
-from speculant.core.validator import Report, sampling_problems, validate
+from speculant.core.problems import Report
+from speculant.core.validator import sampling_problems, validate
 
 
 @dataclass

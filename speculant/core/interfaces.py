@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
-    from speculant.core.validator import Problem
+    from speculant.core.problems import Problem
 
 
 class TargetModel(ABC):
@@ -63,8 +63,9 @@ class TargetModel(ABC):
         """The target's input embedding rows for ``token_ids`` ([n] -> [n, H])."""
 
     @abstractmethod
-    def lm_head(self, hidden: Array) -> Array:
-        """The target's output head ([n, H] -> [n, V] logits)."""
+    def lm_head(self, hidden: Array, *, raw: bool = False) -> Array:
+        """The target's output head ([n, H] -> [n, V] logits), with the family's logit transform
+        (Gemma's soft-capping); ``raw=True`` gives the head alone, what DFlash drafts were trained on."""
 
 
 class Backend(ABC):

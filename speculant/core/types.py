@@ -17,6 +17,14 @@ class ProposalKind(str, Enum):
     SPARSE = "sparse"  # sampled from q [k, C] over candidate ids [k, C]
 
 
+class DraftSource(str, Enum):
+    """Where a draft came from: a drafter's model, or a copy out of the context (prompt lookup).
+    Adaptive width policies model the drafter, so they verify copies whole and learn nothing from them."""
+
+    MODEL = "model"
+    LOOKUP = "lookup"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """The target's sampling settings; temperature 0 means greedy decoding."""
@@ -45,6 +53,7 @@ class Draft:
     draft_probs: Array | None = None
     candidate_ids: Array | None = None
     confidence: list[float] | None = None
+    source: DraftSource = DraftSource.MODEL
 
     @property
     def kind(self) -> ProposalKind:
@@ -62,6 +71,7 @@ class Draft:
             draft_probs=None if self.draft_probs is None else self.draft_probs[:k],
             candidate_ids=None if self.candidate_ids is None else self.candidate_ids[:k],
             confidence=None if self.confidence is None else self.confidence[:k],
+            source=self.source,
         )
 
 
@@ -96,6 +106,7 @@ class CycleTiming:
     target_s: float
     draft_s: float = 0.0
     commit_s: float = 0.0
+    source: DraftSource = DraftSource.MODEL  # LOOKUP: a prompt-lookup copy, verified whole
 
 
 @dataclass(frozen=True)

@@ -8,45 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
 from speculant.core.errors import ConfigError
+from speculant.core.problems import Problem, Report
 from speculant.core.target_check import target_tensor_problems
 from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
-
-
-@dataclass(frozen=True)
-class Problem:
-    field: str
-    message: str
-    fix: str = ""
-    severity: str = "error"  # error | warning
-
-    def __str__(self) -> str:
-        text = f"{self.field}: {self.message}"
-        return f"{text} (fix: {self.fix})" if self.fix else text
-
-
-@dataclass
-class Report:
-    problems: list[Problem] = field(default_factory=list)
-    target: TargetInfo | None = None
-    drafter: DrafterInfo | None = None
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "warning"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
 
 
 def read_json(path: Path) -> dict:

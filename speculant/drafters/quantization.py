@@ -26,8 +26,8 @@ from typing import Callable, Iterable
 from speculant.core.checkpoint import tensor_inventory
 from speculant.core.config import QUANTIZATION_CHOICES, QuantizationConfig, parse_quantization
 from speculant.core.errors import CheckpointError, ConfigError
-from speculant.core.validator import Problem
-from speculant.plugins.hookspecs import hookimpl
+from speculant.core.problems import Problem
+from speculant.plugin_api import hookimpl
 
 Exclude = Callable[[str], bool]
 BACKENDS = ("mlx", "torch")

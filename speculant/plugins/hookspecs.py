@@ -1,6 +1,6 @@
 """The hooks a speculant plugin can implement (entry-point group ``speculant``).
 
-A plugin is a module with functions decorated ``@speculant.plugins.hookimpl`` whose names
+A plugin is a module with functions decorated ``@speculant.plugin_api.hookimpl`` whose names
 match the specs below. Built-in backends, drafters and verifiers use exactly these hooks.
 """
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pluggy
 
+from speculant.plugin_api import hookimpl  # noqa: F401  (re-exported: the marker plugins use)
+
 hookspec = pluggy.HookspecMarker("speculant")
-hookimpl = pluggy.HookimplMarker("speculant")
 
 
 @hookspec

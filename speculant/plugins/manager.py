@@ -42,6 +42,7 @@ BUILTIN_PLUGINS = (
     ("mtp", "speculant.drafters.mtp.plugin"),
     ("dflash2", "speculant.drafters.dflash2.plugin"),
     ("verifiers", "speculant.verifiers.plugin"),
+    ("quantization", "speculant.drafters.quantization"),
 )
 
 
@@ -216,7 +217,7 @@ class Registry:
 
     def check_pairing(self, config, target, drafter) -> list:
         """Every plugin's extra problems; a check that raises becomes a problem naming its plugin."""
-        from speculant.core.validator import Problem
+        from speculant.core.problems import Problem
 
         args = {"config": config, "target": target, "drafter": drafter}
         problems = []

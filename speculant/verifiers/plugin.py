@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from speculant.plugins.hookspecs import hookimpl
+from speculant.plugin_api import hookimpl
 from speculant.verifiers.adaptive import AdaptiveVerifier
 from speculant.verifiers.greedy import GreedyVerifier
 from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier

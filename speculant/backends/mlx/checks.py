@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from speculant.core.config import parse_quantization
 from speculant.core.errors import ConfigError
-from speculant.core.validator import Problem
+from speculant.core.problems import Problem
 
 QUANTIZED_BLOCK_ADVICE = 5
 

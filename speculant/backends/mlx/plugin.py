@@ -4,7 +4,7 @@ Nothing here imports mlx at module level: the registry and the validator stay im
 on machines without it.
 """
 
-from speculant.plugins.hookspecs import hookimpl
+from speculant.plugin_api import hookimpl
 
 
 @hookimpl

@@ -192,9 +192,9 @@ class MLXTarget(TargetModel):
             rows = rows * self._embed_scale
         return rows
 
-    def lm_head(self, hidden) -> mx.array:
+    def lm_head(self, hidden, *, raw: bool = False) -> mx.array:
         logits = self._head(hidden)
-        return logits if self._logit_transform is None else self._logit_transform(logits)
+        return logits if raw or self._logit_transform is None else self._logit_transform(logits)
 
 
 def _output_head(model: nn.Module, inner: nn.Module):

@@ -1,6 +1,6 @@
 """Registers the PyTorch backend through the public hooks."""
 
-from speculant.plugins.hookspecs import hookimpl
+from speculant.plugin_api import hookimpl
 
 
 @hookimpl

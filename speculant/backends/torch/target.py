@@ -136,9 +136,9 @@ class TorchTarget(TargetModel):
         return self._embedding(token_ids)
 
     @torch.inference_mode()
-    def lm_head(self, hidden) -> torch.Tensor:
+    def lm_head(self, hidden, *, raw: bool = False) -> torch.Tensor:
         logits = self._head(hidden)
-        return logits if self._logit_transform is None else self._logit_transform(logits)
+        return logits if raw or self._logit_transform is None else self._logit_transform(logits)
 
 
 def load_tokenizer(path: str):

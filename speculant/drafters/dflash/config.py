@@ -14,7 +14,7 @@ from typing import Any
 
 from speculant.core.checkpoint import compare_inventory, tensor_inventory
 from speculant.core.errors import CheckpointError
-from speculant.core.validator import Problem
+from speculant.core.problems import Problem
 from speculant.drafters.dflash import muse_glimmer
 
 DFLASH_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale",

@@ -21,7 +21,7 @@ What differs from a published DFlash config, as transformers' modeling and gener
 
 from __future__ import annotations
 
-from speculant.core.validator import Problem
+from speculant.core.problems import Problem
 
 MODEL_TYPE = "muse_glimmer_assistant"
 TARGET_MODEL_TYPES = ("muse_glimmer", "muse_glimmer_text")

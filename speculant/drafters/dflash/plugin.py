@@ -6,9 +6,8 @@ import dataclasses
 
 from speculant.core.interfaces import DrafterFactory
 from speculant.core.types import DrafterInfo, ProposalKind
-from speculant.core.validator import Problem
-from speculant.drafters.quantization import check_pairing  # noqa: F401  (registers the drafter.quantization checks for every drafter)
-from speculant.plugins.hookspecs import hookimpl
+from speculant.core.problems import Problem
+from speculant.plugin_api import hookimpl
 
 
 class DFlashFactory(DrafterFactory):

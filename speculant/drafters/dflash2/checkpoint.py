@@ -14,7 +14,7 @@ from pathlib import Path
 
 from speculant.core.checkpoint import tensor_inventory
 from speculant.core.errors import CheckpointError
-from speculant.core.validator import Problem
+from speculant.core.problems import Problem
 from speculant.drafters.dflash.config import DFlashConfig, check_tensors, expected_tensors
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")

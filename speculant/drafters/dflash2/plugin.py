@@ -6,7 +6,7 @@ import dataclasses
 
 from speculant.core.types import DrafterInfo, ProposalKind
 from speculant.drafters.dflash.plugin import DFlashFactory
-from speculant.plugins.hookspecs import hookimpl
+from speculant.plugin_api import hookimpl
 
 
 MLX_DEFAULT_BLOCK = 5  # verify cost grows superlinearly with width on Metal (reference advice)

@@ -45,7 +45,8 @@ from pydantic import BaseModel, ConfigDict
 from speculant.core.checkpoint import compare_inventory, safetensors_files, tensor_inventory
 from speculant.core.errors import CheckpointError
 from speculant.core.types import TargetInfo
-from speculant.core.validator import Problem, text_config
+from speculant.core.problems import Problem
+from speculant.core.validator import text_config
 
 Layout = Literal["qwen", "deepseek"]
 Tap = Literal["post_norm", "pre_norm"]

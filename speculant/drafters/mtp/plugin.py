@@ -6,9 +6,9 @@ from pathlib import Path
 
 from speculant.core.interfaces import DrafterFactory
 from speculant.core.types import DrafterInfo, ProposalKind
-from speculant.core.validator import Problem
+from speculant.core.problems import Problem
 from speculant.drafters.mtp.config import MAX_BLOCK_SIZE, MTPOptions
-from speculant.plugins.hookspecs import hookimpl
+from speculant.plugin_api import hookimpl
 
 
 # mlx-lm model types whose sanitize() drops bundled MTP weights (mlx-lm 0.32)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from speculant.core.interfaces import Backend, Drafter, DrafterFactory, TargetModel
 from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput, ProposalKind, TargetInfo
-from speculant.core.validator import Problem
+from speculant.core.problems import Problem
 
 
 class ToyOptions(BaseModel):
