@@ -29,6 +29,16 @@ class BackendConfig(_Section):
     kind: str = "torch"
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps | gpu (mlx)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
+    # "auto" compiles where the backend's benchmark shows it pays, "on" wherever it can, "off" never.
+    compile: str = "auto"
+
+    @field_validator("compile")
+    @classmethod
+    def _compile_choice(cls, value: str) -> str:
+        if value not in ("auto", "on", "off"):
+            raise ValueError(f"must be 'auto', 'on' or 'off', got {value!r}")
+        return value
 
 
 class TargetConfig(_Section):

@@ -404,6 +404,7 @@ class _Loop:
         s.stop_reason = self._stop_reason or "interrupted"
         s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
         s.verifier = self.e.verifier.decisions()
+        s.fast_path = self.e.target.fast_path
 
 
 _BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "

@@ -36,6 +36,8 @@ class TargetModel(ABC):
 
     info: TargetInfo
     tokenizer: Any  # a Hugging Face tokenizer (or compatible: encode/decode/apply_chat_template)
+    # What runs compiled, or why the forwards stay eager (copied into each request's stats).
+    fast_path: str = "eager"
 
     @property
     @abstractmethod

@@ -45,6 +45,7 @@ class GenerationStats:
     draft_s: float = 0.0
     phases_timed: bool = False
     verifier: dict = field(default_factory=dict)
+    fast_path: str = "eager"  # what ran compiled (widths, compile seconds), or why it stayed eager
 
     @property
     def prefill_tokens_per_s(self) -> float:
