@@ -7,7 +7,7 @@ handled through the backend's :class:`~speculant.core.arrays.ArrayOps`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
 
 from speculant.core.arrays import ArrayOps
 from speculant.core.types import (
@@ -59,6 +59,13 @@ class TargetModel(ABC):
     @abstractmethod
     def crop(self, length: int) -> None:
         """Roll the KV cache back to its first ``length`` positions."""
+
+    def greedy_steps(self, anchor_id: int) -> "Iterator[int] | None":
+        """Optional fast path for plain greedy decoding: from ``anchor_id`` (the last token, not yet in
+        the cache), yield the target's argmax tokens one at a time, each fed back on the device so the
+        next step can be queued before the host reads this one. The engine closes the iterator when the
+        request ends and then crops the cache. None (the default) when the backend has no such path."""
+        return None
 
     @abstractmethod
     def embed(self, token_ids: Array) -> Array:
