@@ -22,16 +22,22 @@ else:  # pragma: no cover
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Each field's docstring is its description: docs/configuration.md is generated from them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class BackendConfig(_Section):
+    """The array runtime that loads and runs the models."""
+
     kind: str = "torch"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps | gpu (mlx)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    # Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
-    # "auto" compiles where the backend's benchmark shows it pays, "on" wherever it can, "off" never.
+    """A registered backend's name."""
+    device: str = "auto"
+    """`auto` (CUDA, then MPS, then CPU), `cpu`, `cuda`, `cuda:N`, `mps`, or `gpu` (MLX)."""
+    dtype: str = "auto"
+    """Model dtype; `auto` is bfloat16 on CUDA (float16 without bf16), float16 on MPS, float32 on CPU."""
     compile: str = "auto"
+    """Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
+    `auto` where the backend's benchmark shows they pay, `on` wherever possible, `off` never."""
 
     @field_validator("compile")
     @classmethod
@@ -42,19 +48,26 @@ class BackendConfig(_Section):
 
 
 class TargetConfig(_Section):
+    """The model whose output speculant reproduces."""
+
     path: Path
+    """Target folder (config.json + safetensors, or an mlx-lm folder); relative to the config file."""
     trust_remote_code: bool = False
+    """Accepted but not used: speculant never runs a checkpoint's own Python code."""
 
 
 class QuantizationConfig(_Section):
     """In-memory draft quantization (weight bits, activation bits, group size)."""
 
-    weight_bits: int | None = None  # None = off; 2 | 4 | 8
-    activation_bits: int = 16  # 16 | 32
-    group_size: int = 64  # 32 | 64 | 128
-    # Also quantize what stays in float by default (DFlash2's selector projection and codebook
-    # tables, the convolution-kernel projections); spec suffix ``:all``.
+    weight_bits: int | None = None
+    """Draft weight bits; unset = no quantization."""
+    activation_bits: int = 16
+    """Activation bits."""
+    group_size: int = 64
+    """Weights sharing one scale."""
     quantize_all: bool = False
+    """Also quantize what stays in float by default (DFlash2's selector projection and codebook
+    tables, the convolution-kernel projections); spec suffix `:all`."""
 
 
 class LookupConfig(_Section):
@@ -62,8 +75,11 @@ class LookupConfig(_Section):
     verify what followed them there instead of asking the drafter (``drafter.lookup = true``)."""
 
     enabled: bool = False
+    """Verify prompt-lookup copies beside the drafter (`drafter.lookup = true` is short for this)."""
     min_match: int = 4
+    """Shortest suffix of the context that counts as a match (at least 1)."""
     max_match: int = 8
+    """Longest suffix of the context looked up (at least 1)."""
 
     @field_validator("min_match", "max_match")
     @classmethod
@@ -74,12 +90,22 @@ class LookupConfig(_Section):
 
 
 class DrafterConfig(_Section):
-    kind: str | None = None  # None or "none" = plain decoding
+    """What proposes the tokens the target verifies; unset, the target decodes plainly."""
+
+    kind: str | None = None
+    """A registered drafter's name; unset or `none` = plain decoding."""
     path: Path | None = None
-    block_size: int | None = None  # runtime block (anchor + proposals); None = trained block
-    quantization: QuantizationConfig | str | None = None  # e.g. "w4a16:gs64"
+    """Drafter checkpoint folder (`mtp` reads the target folder when unset); relative to the config
+    file."""
+    block_size: int | None = None
+    """Runtime block (anchor + proposals), 2 .. the drafter's maximum; unset = its trained block."""
+    quantization: QuantizationConfig | str | None = None
+    """In-memory draft quantization: a spec like `w4a16:gs64` (`w<bits>[a<bits>][:gs<group>][:all]`,
+    `off`) or a `[drafter.quantization]` table."""
     lookup: LookupConfig = Field(default_factory=LookupConfig)
+    """Prompt lookup: `true` / `false`, or a `[drafter.lookup]` table."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The drafter's own options (`drafter.options` below); unknown keys are errors."""
 
     @field_validator("lookup", mode="before")
     @classmethod
@@ -92,22 +118,38 @@ class DrafterConfig(_Section):
 
 
 class VerifierConfig(_Section):
-    kind: str = "auto"  # auto | greedy | speculative_sampling | adaptive | plugin name
+    """What decides how many drafted tokens to keep."""
+
+    kind: str = "auto"
+    """`auto` (= `speculative_sampling`) or a registered verifier's name."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The verifier's own options (`verifier.options` below); unknown keys are errors."""
 
 
 class SamplingConfig(_Section):
+    """How the target's next token is chosen; speculation keeps this distribution exactly."""
+
     temperature: float = 0.0
+    """0 = greedy; above 0, sample from the target's logits divided by this."""
     top_p: float = 1.0
+    """Keep the most likely tokens whose probabilities add up to this (1 = off)."""
     top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
     seed: int | None = None
+    """Seed of the sampling and drafting random streams; unset = fresh each request."""
 
 
 class GenerationConfig(_Section):
+    """When a request stops."""
+
     max_new_tokens: int = 256
+    """Most tokens one request generates (at least 1)."""
     stop_token_ids: list[int] = Field(default_factory=list)
+    """Extra token ids that end a request, besides the tokenizer's end of sequence."""
     stop_strings: list[str] = Field(default_factory=list)
+    """Text that ends a request; the text is cut before it."""
     ignore_eos: bool = False
+    """Keep going past end-of-sequence tokens (benchmarks)."""
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -118,12 +160,20 @@ class GenerationConfig(_Section):
 
 
 class EngineConfig(_Section):
+    """Everything an engine is built from; only `target.path` is required."""
+
     backend: BackendConfig = Field(default_factory=BackendConfig)
+    """`[backend]`: the array runtime."""
     target: TargetConfig
+    """`[target]`: the model to reproduce."""
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    """`[drafter]`: what proposes tokens."""
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    """`[verifier]`: what keeps them."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """`[sampling]`: the target's decoding distribution."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """`[generation]`: when to stop."""
 
     @classmethod
     def load(cls, source: "EngineConfig | dict | str | Path") -> "EngineConfig":
@@ -190,7 +240,7 @@ def format_validation_error(exc: ValidationError) -> str:
         field = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see the config reference in README.md)"
+            msg = "unknown key (check the spelling; see docs/configuration.md)"
         elif err["type"] == "missing":
             msg = "required key is missing"
         lines.append(f"{field}: {msg}")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from speculant.core.checkpoint import compare_inventory, safetensors_files, tensor_inventory
 from speculant.core.errors import CheckpointError
@@ -70,11 +70,11 @@ class MTPOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    layout: Literal["auto", "qwen", "deepseek"] = "auto"
-    hidden_tap: Tap | None = None  # target hidden feeding step 1; None = family default
-    recycle_hidden: Tap | None = None  # MTP hidden fed to steps >= 2; None = family default
-    norm_shifted: bool | None = None  # qwen layout: +1 already baked into the norms; None = detect
-    sample_drafts: bool = False  # at temperature > 0, sample drafts and record dense q
+    layout: Literal["auto", "qwen", "deepseek"] = Field("auto", description="checkpoint layout; auto = detect from tensor names and config.json")
+    hidden_tap: Tap | None = Field(None, description="target hidden feeding step 1; unset = family default")
+    recycle_hidden: Tap | None = Field(None, description="MTP hidden fed to steps >= 2; unset = family default")
+    norm_shifted: bool | None = Field(None, description="qwen layout: +1 already baked into the norms; unset = detect")
+    sample_drafts: bool = Field(False, description="at temperature > 0, sample drafts and record dense q")
 
 
 @dataclass
