@@ -1,8 +1,7 @@
 """Test fixture: registers a verifier named ``greedy``, which the built-ins already provide,
 plus a uniquely named one that must be taken back when the duplicate is rejected."""
 
-from speculant.core.interfaces import Verifier
-from speculant.plugins import hookimpl
+from speculant.plugin_api import Verifier, hookimpl
 
 
 class DupGreedy(Verifier):

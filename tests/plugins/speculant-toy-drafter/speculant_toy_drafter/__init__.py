@@ -5,7 +5,7 @@ the ``speculant`` entry-point group, can add a drafter an engine config then use
 (``drafter.kind = "toy"``).
 """
 
-from speculant.plugins import hookimpl
+from speculant.plugin_api import hookimpl
 from speculant_toy_drafter.drafter import ToyDrafter, ToyDrafterFactory, ToyOptions
 
 __all__ = ["ToyDrafter", "ToyDrafterFactory", "ToyOptions", "register_drafters"]

@@ -10,9 +10,20 @@ from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from speculant.core.interfaces import Backend, Drafter, DrafterFactory, TargetModel
-from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput, ProposalKind, TargetInfo
-from speculant.core.problems import Problem
+from speculant.plugin_api import (
+    Backend,
+    Draft,
+    Drafter,
+    DrafterConfig,
+    DrafterFactory,
+    DrafterInfo,
+    DraftRequest,
+    ForwardOutput,
+    Problem,
+    ProposalKind,
+    TargetInfo,
+    TargetModel,
+)
 
 
 class ToyOptions(BaseModel):
@@ -20,9 +31,9 @@ class ToyOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ngram_max: int = Field(3, ge=1)  # longest suffix to look up
-    ngram_min: int = Field(1, ge=1)  # shortest suffix to look up
-    default_block_size: int = Field(4, ge=2)  # block (anchor + proposals) when drafter.block_size is unset
+    ngram_max: int = Field(3, ge=1, description="longest suffix to look up")
+    ngram_min: int = Field(1, ge=1, description="shortest suffix to look up")
+    default_block_size: int = Field(4, ge=2, description="block (anchor + proposals) when drafter.block_size is unset")
 
 
 def lookup(history: Sequence[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
@@ -66,7 +77,7 @@ class ToyDrafterFactory(DrafterFactory):
     backends = ("torch", "mlx")
     options_model = ToyOptions
 
-    def describe(self, config, target: TargetInfo, backend: str) -> tuple[DrafterInfo | None, list[Problem]]:
+    def describe(self, config: DrafterConfig, target: TargetInfo, backend: str) -> tuple[DrafterInfo | None, list[Problem]]:
         problems: list[Problem] = []
         if config.path is not None:
             problems.append(Problem("drafter.path", "the toy drafter reads no checkpoint; drafter.path is ignored",
@@ -88,5 +99,5 @@ class ToyDrafterFactory(DrafterFactory):
         )
         return info, problems
 
-    def load(self, config, info: DrafterInfo, backend: Backend, target: TargetModel) -> ToyDrafter:
+    def load(self, config: DrafterConfig, info: DrafterInfo, backend: Backend, target: TargetModel) -> ToyDrafter:
         return ToyDrafter(info, backend, ToyOptions.model_validate(config.options))
