@@ -29,6 +29,9 @@ accepted tokens):
   forward (MLX's fixed cost of a few small ops per token and layer; the crop itself is < 1 %).
 
 Outside a recording, the wrapped ``gated_delta_update`` delegates unchanged.
+A pipelined plain decoder (``MLXTarget.greedy_steps``) runs one step ahead of what it has
+handed out; before each one-token step ``DeltaCache.keep_step_undo`` keeps references to the
+state, so ``trim(1)`` takes that step back (one step only: one state per layer is kept).
 """
 
 from __future__ import annotations
@@ -138,22 +141,33 @@ class DeltaCache(ArraysCache):
         super().__init__(size)
         self.conv_input: mx.array | None = None  # [1, kernel - 1 + w, channels]
         self.states: list[mx.array] = []  # recurrent state after each block position
+        self.before_step: list | None = None  # [conv, recurrent] before the last one-token step
 
     def forget(self) -> None:
-        self.conv_input, self.states = None, []
+        self.conv_input, self.states, self.before_step = None, [], None
+
+    def keep_step_undo(self) -> None:
+        """Before a one-token step: keep the state (references, no copy) so ``trim(1)`` can take
+        that step back, as a pipelined decoder needs after running one step ahead."""
+        self.forget()
+        self.before_step = [self[0], self[1]]
 
     @property
     def recorded(self) -> int:
         return len(self.states) if self.conv_input is not None else 0
 
     def is_trimmable(self) -> bool:
-        return self.recorded > 0
+        return self.recorded > 0 or self.before_step is not None
 
     def trim(self, n: int) -> int:
         width = self.recorded
         if n <= 0:
             self.forget()
             return 0
+        if n == 1 and width == 0 and self.before_step is not None:
+            self[0], self[1] = self.before_step
+            self.forget()
+            return 1
         if width == 0:
             raise RollbackError("a Gated DeltaNet state can roll back only within the last verified block, and the "
                                 "last forward recorded none (prefill or a one-token step)")

@@ -10,20 +10,23 @@ tapped, and each forward says which layers it wants, so any number of drafters w
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from speculant.backends.mlx import families
-from speculant.backends.mlx.caches import forget_all, install_delta_taps, recording, target_cache
+from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
+from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 PREFILL_STEP = 512  # prompt rows per prefill chunk (bounds activation memory)
+CLEAR_EVERY = 256  # pipelined plain steps between releases of MLX's buffer cache (as mlx-lm)
 
 
 class Recorder:
@@ -185,6 +188,40 @@ class MLXTarget(TargetModel):
         _schedule(out)
         return out
 
+    # -- pipelined plain greedy decoding ---------------------------------------------------
+    def greedy_steps(self, anchor_id: int) -> Iterator[int]:
+        """Plain greedy tokens from ``anchor_id``, run as mlx-lm's ``generate_step`` runs them: the
+        argmax stays on the device and is the next step's input, and that step is queued
+        (``mx.async_eval``) before the host reads the current token. The cache therefore holds
+        one position more than the tokens handed out; ``crop`` takes that step back, for every
+        cache kind (a Gated DeltaNet layer keeps its state from before the step)."""
+        forget_all(self.cache)
+        token, top = self._step_ahead(mx.array([int(anchor_id)], dtype=mx.int32))
+        mx.async_eval(token, top)
+        steps = 0
+        while True:
+            next_token, next_top = self._step_ahead(token)
+            mx.async_eval(next_token, next_top)
+            best = top.item()
+            if not math.isfinite(best):
+                raise NonFiniteLogitsError(f"the target's logits at a plain decoding step {_non_finite(best)}; "
+                                           "generation stopped. Check the checkpoint and the dtype (float16 "
+                                           "overflows where bfloat16 or float32 does not).")
+            yield int(token.item())
+            steps += 1
+            if steps % CLEAR_EVERY == 0:
+                mx.clear_cache()
+            token, top = next_token, next_top
+
+    def _step_ahead(self, token: mx.array) -> tuple[mx.array, mx.array]:
+        """One lazy decode step over ``token`` [1]: (its argmax [1] int32, the row's max logit)."""
+        for c in self.cache:
+            if isinstance(c, DeltaCache):
+                c.keep_step_undo()
+        logits = self.model(token[None], cache=self.cache)[0]
+        self._length += 1
+        return mx.argmax(logits, axis=-1).astype(mx.int32), mx.max(logits)
+
     # -- shared weights for drafters -------------------------------------------------------
     def embed(self, token_ids) -> mx.array:
         rows = self._inner.embed_tokens(token_ids)
@@ -209,6 +246,12 @@ def _join(parts: list) -> mx.array | None:
     if parts[0] is None:
         return None
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _non_finite(value: float) -> str:
+    if math.isnan(value):
+        return "contain NaN"
+    return "contain +inf" if value > 0 else "mask every token (all -inf)"
 
 
 def _schedule(out: ForwardOutput) -> None:
