@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speculant.verifiers.adaptive_drift import RepeatWatch
+from speculant.verifiers.adaptive.drift import RepeatWatch
 
 N = RepeatWatch.SPAN  # the adaptive verifier's repeat rule, so "loop" means the same thing there
 

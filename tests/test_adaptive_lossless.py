@@ -14,8 +14,7 @@ import pytest
 import speculant
 from speculant.core.interfaces import Verifier
 from speculant.core.types import Capture, DraftRequest
-from speculant.verifiers.adaptive import AdaptiveVerifier
-from speculant.verifiers.adaptive_policy import AdaptivePolicy
+from speculant.verifiers.adaptive import AdaptivePolicy, AdaptiveVerifier
 from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
 PROMPTS = {

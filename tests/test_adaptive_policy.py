@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from speculant.core.types import CycleTiming, Draft, Verification
-from speculant.verifiers.adaptive import AdaptiveVerifier, host_confidence
-from speculant.verifiers.adaptive_acceptance import AcceptanceModel, expected_tokens
-from speculant.verifiers.adaptive_cost import CostModel, context_bucket
-from speculant.verifiers.adaptive_drift import DriftDetector, RepeatWatch, constant_rate_fit, token_distribution
-from speculant.verifiers.adaptive_policy import WARMUP, best_rate, best_width
+from speculant.verifiers.adaptive import WARMUP, AdaptiveVerifier, host_confidence
+from speculant.verifiers.adaptive.acceptance import AcceptanceModel, expected_tokens
+from speculant.verifiers.adaptive.cost import CostModel, context_bucket
+from speculant.verifiers.adaptive.drift import DriftDetector, RepeatWatch, constant_rate_fit, token_distribution
+from speculant.verifiers.adaptive.rates import best_rate, best_width
 
 K = 15
 FLAT = [1e-3 * (1.0 + 0.01 * w) for w in range(K + 1)]  # seconds for width w + 1

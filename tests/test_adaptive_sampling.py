@@ -106,7 +106,7 @@ class SteadyClock:
 
 @pytest.fixture
 def steady_clock(monkeypatch):
-    import speculant.verifiers.adaptive as adaptive
+    import speculant.verifiers.adaptive.verifier as adaptive
 
     monkeypatch.setattr(adaptive, "time", SteadyClock())
 

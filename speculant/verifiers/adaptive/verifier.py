@@ -7,19 +7,33 @@ Acceptance is delegated unchanged to the shared rules in :mod:`speculant.verifie
 information and finished cycles only, before the target forward runs. The number verified is
 therefore a stopping time independent of the cycle's acceptance draws, and every emitted token
 keeps the target's distribution (greedy outputs are token-for-token those of plain decoding).
+Prompt-lookup copies (``DraftSource.LOOKUP``) are verified whole and teach the policy nothing:
+it models the drafter.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
-from speculant.core.types import CycleTiming, Draft, ProposalKind, SamplingParams, Verification
+from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
-from speculant.verifiers.adaptive_policy import AdaptiveOptions, AdaptivePolicy
+from speculant.verifiers.adaptive.options import AdaptiveOptions
+from speculant.verifiers.adaptive.policy import AdaptivePolicy
+from speculant.verifiers.adaptive.states import Action, Mode
+
+
+@dataclass
+class RequestLog:
+    """What the current request's cycles were, for ``decisions()``."""
+
+    widths: list[int] = field(default_factory=list)  # drafts submitted per cycle (0 = plain target step)
+    actions: list[Action] = field(default_factory=list)
+    plain_from_context: int | None = None  # the context length from which max_context made it plain
 
 
 class AdaptiveVerifier(Verifier):
@@ -49,10 +63,8 @@ class AdaptiveVerifier(Verifier):
     # -- the engine's hooks, in cycle order --------------------------------------------------
     def begin(self, context_length: int) -> None:
         self.policy.begin()
-        self.widths: list[int] = []
-        self.actions: list[str] = []
         limit = self.max_context
-        self.plain_from_context = context_length if limit is not None and context_length >= limit else None
+        self.log = RequestLog(plain_from_context=context_length if limit is not None and context_length >= limit else None)
 
     def wants_draft(self, max_tokens: int, context_length: int) -> bool:
         return self.policy.wants_draft(max_tokens, context_length)
@@ -60,6 +72,8 @@ class AdaptiveVerifier(Verifier):
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
+        if draft.source == DraftSource.LOOKUP:  # a copy: verified whole, outside the policy
+            return min(draft.num_tokens, max_tokens)
         # A sampled draft's confidence is its own q(x_i): choosing whether to verify x_i from the
         # value x_i took biases the output (with q = (.5, .5), p = (.9, .1) and "verify x only
         # when x = 0", token 0 comes out 95 % of the time). Widths then come from history alone;
@@ -81,32 +95,35 @@ class AdaptiveVerifier(Verifier):
         return verification
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
+        if timing is not None and timing.source == DraftSource.LOOKUP:
+            return  # a copy says nothing about the drafter's acceptance, nor about this policy's choices
         action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s, verification.token_ids)
-        self.widths.append(submitted)
-        self.actions.append(action)
+        log = self.log
+        log.widths.append(submitted)
+        log.actions.append(action)
         limit = self.max_context
-        if limit is not None and self.plain_from_context is None and timing is not None and timing.context_length >= limit:
-            self.plain_from_context = timing.context_length
+        if limit is not None and log.plain_from_context is None and timing is not None and timing.context_length >= limit:
+            log.plain_from_context = timing.context_length
 
     # -- stats -------------------------------------------------------------------------------
     def decisions(self) -> dict:
-        p = self.policy
-        fallback = Counter(a.split(":", 1)[1] for a in self.actions if a.startswith("plain:"))
-        k = max(self.widths, default=0) or p.k
+        p, log = self.policy, self.log
+        fallback = Counter(a.reason for a in log.actions if a.plain)
+        k = max(log.widths, default=0) or p.request.k
         return {
             "policy": "adaptive",
-            "widths": list(self.widths),
-            "actions": list(self.actions),
-            "speculative_cycles": sum(1 for w in self.widths if w > 0),
-            "probe_cycles": self.actions.count("probe"),
+            "widths": list(log.widths),
+            "actions": [a.value for a in log.actions],
+            "speculative_cycles": sum(1 for w in log.widths if w > 0),
+            "probe_cycles": log.actions.count(Action.PROBE),
             "fallback_cycles": dict(fallback),
-            "events": list(p.events),
-            "mode": p.mode,
-            "next_probe_in": p.countdown if p.mode == "fallback" else None,
+            "events": list(p.request.events),
+            "mode": p.mode.value,
+            "next_probe_in": p.probes.countdown if p.mode is Mode.FALLBACK else None,
             "max_context": self.max_context,
-            "plain_from_context": self.plain_from_context,
+            "plain_from_context": log.plain_from_context,
             "acceptance": p.acceptance.snapshot(k),
-            "cost": p.costs.snapshot(k + 1, p.context_length),
+            "cost": p.costs.snapshot(k + 1, p.request.context_length),
         }
 
 
