@@ -3,6 +3,8 @@ models and compared, and docs/plugins.md documents every hook with its exact sig
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,57 @@ def test_check_command_names_the_fix(tmp_path, capsys):
     assert UPDATE in capsys.readouterr().err
     assert docs_config.main(["--out", str(stale)]) == 0
     assert docs_config.main(["--check", "--out", str(stale)]) == 0
+
+
+# -- docs/plugins.md --------------------------------------------------------------------------
+PLUGINS_DOC = ROOT / "docs" / "plugins.md"
+HOOKSPECS = ROOT / "speculant" / "plugins" / "hookspecs.py"
+EXAMPLES = ROOT / "tests" / "plugins"
+
+
+def hook_signatures(source: str) -> dict[str, str]:
+    """``{hook: "name(arguments)"}`` for every ``@hookspec`` function of a hookspecs module."""
+    signatures = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and any(ast.unparse(d).startswith("hookspec") for d in node.decorator_list):
+            signatures[node.name] = f"{node.name}({ast.unparse(node.args)})"
+    return signatures
+
+
+def undocumented_hooks(source: str, doc: str) -> list[str]:
+    """Hook signatures without a ``### `signature` `` heading in ``doc``."""
+    headings = set(re.findall(r"^### `(.+)`$", doc, flags=re.M))
+    return [sig for sig in hook_signatures(source).values() if sig not in headings]
+
+
+def test_every_hook_is_documented_with_its_exact_signature():
+    source, doc = HOOKSPECS.read_text(encoding="utf-8"), PLUGINS_DOC.read_text(encoding="utf-8")
+    assert len(hook_signatures(source)) >= 4
+    missing = undocumented_hooks(source, doc)
+    assert not missing, f"document these hooks in docs/plugins.md under a '### `signature`' heading: {missing}"
+    stale = [h for h in re.findall(r"^### `(\w+)\(", doc, flags=re.M) if h not in hook_signatures(source)]
+    assert not stale, f"docs/plugins.md documents hooks that hookspecs.py no longer has: {stale}"
+
+
+def test_a_new_hook_or_a_changed_argument_is_caught():
+    source, doc = HOOKSPECS.read_text(encoding="utf-8"), PLUGINS_DOC.read_text(encoding="utf-8")
+    changed = source.replace("def check_pairing(config, target, drafter):", "def check_pairing(config, target, drafter, backend):")
+    assert changed != source
+    added = source + "\n\n@hookspec\ndef register_tokenizers(register):\n    \"\"\"New.\"\"\"\n"
+    assert undocumented_hooks(changed, doc) == ["check_pairing(config, target, drafter, backend)"]
+    assert undocumented_hooks(added, doc) == ["register_tokenizers(register)"]
+
+
+def code_excerpts(doc: str) -> list[tuple[str, str]]:
+    """``(path, code)`` for each fenced block of ``doc`` whose first line is ``# <path>``."""
+    blocks = re.findall(r"^```\w*\n# (\S+)\n(.*?)^```$", doc, flags=re.M | re.S)
+    return [(path, code) for path, code in blocks]
+
+
+def test_worked_example_excerpts_match_the_example_plugin():
+    excerpts = code_excerpts(PLUGINS_DOC.read_text(encoding="utf-8"))
+    assert len(excerpts) >= 5
+    for path, code in excerpts:
+        files = [f for f in EXAMPLES.rglob("*") if f.as_posix().endswith("/" + path)]
+        assert len(files) == 1, f"docs/plugins.md quotes {path}, which is not one file under tests/plugins"
+        assert code in files[0].read_text(encoding="utf-8"), f"docs/plugins.md's excerpt of {path} no longer matches it"
