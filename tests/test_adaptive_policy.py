@@ -8,11 +8,12 @@ a scripted process, so every decision can be checked against the analytic optimu
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
 
-from speculant.core.types import CycleTiming, Draft, Verification
+from speculant.core.types import CycleTiming, Draft, DraftSource, Verification
 from speculant.verifiers.adaptive import WARMUP, AdaptiveVerifier, host_confidence
 from speculant.verifiers.adaptive.acceptance import AcceptanceModel, expected_tokens
 from speculant.verifiers.adaptive.cost import CostModel, context_bucket
@@ -548,3 +549,69 @@ def test_no_cycle_reads_more_than_one_expected_tokens_table():
     for probs in itertools.product([0.0, 0.5, 1.0], repeat=3):
         e = expected_tokens(probs)
         assert all(b >= a for a, b in zip(e, e[1:])) and all(v <= i + 1 for i, v in enumerate(e))
+
+
+# -- prompt-lookup copies are verified whole and teach the policy nothing ------------------------
+
+def copy_draft(k):
+    return Draft(np.arange(k, dtype=np.int64), k, confidence=[0.01] * k, source=DraftSource.LOOKUP)
+
+
+def fallen_back():
+    """A verifier in fallback (hopeless drafts), where any model draft is planned at width 0."""
+    v = AdaptiveVerifier()
+    v.begin(10)
+    drive(v, 60, never, FLAT, start=10)
+    assert v.decisions()["mode"] == "fallback" and v.decisions()["next_probe_in"] > 1
+    return v
+
+
+def test_a_copy_is_planned_whole_without_touching_the_policy():
+    v = fallen_back()
+    state, record = pickle.dumps(v.policy), v.decisions()
+    assert v.plan(copy_draft(5), 7, 70) == 5
+    assert v.plan(copy_draft(5), 3, 70) == 3
+    assert pickle.dumps(v.policy) == state and v.decisions() == record
+    # a model draft in the same state is the policy's to plan: a plain step, and the back-off moves
+    assert v.plan(Draft(np.arange(5, dtype=np.int64), 5), 5, 70) == 0
+    assert pickle.dumps(v.policy) != state
+
+
+def copy_cycle(v, ctx, source=DraftSource.LOOKUP):
+    """A copy cycle as the engine reports it: what was planned of the copy accepted whole, in a
+    cheap forward. With ``source`` MODEL, the same tokens as if the drafter had proposed them."""
+    draft = copy_draft(K)
+    draft.source = source
+    n = v.plan(draft, K, ctx)
+    v.observe(Verification(n, list(range(n + 1))), n, CycleTiming(ctx, n, K, 1e-6, 0.0, 0.0, source=source))
+
+
+def test_copy_cycles_are_not_observed():
+    v = fallen_back()
+    state, record = pickle.dumps(v.policy), v.decisions()
+    copy_cycle(v, 70)
+    assert pickle.dumps(v.policy) == state and v.decisions() == record
+    copy_cycle(v, 70, source=DraftSource.MODEL)  # the same cycle from the drafter is learned from
+    assert pickle.dumps(v.policy) != state and v.decisions()["widths"] == record["widths"] + [0]
+
+
+def test_copy_cycles_between_model_cycles_change_no_decision():
+    """Whole copies accepted at a fraction of a plain step's cost would make speculation look
+    free; with a copy cycle after every model cycle the policy must decide exactly as without."""
+    accepted = np.random.default_rng(4).geometric(0.7, size=300) - 1  # mostly 0 or 1 of the drafts
+
+    def run(copies):
+        v = AdaptiveVerifier()
+        v.begin(100)
+        for c in range(300):
+            ctx = 100 + c
+            n = v.plan(Draft(np.zeros(K, dtype=np.int64), K), K, ctx) if v.wants_draft(K, ctx) else 0
+            a = min(n, int(accepted[c]))
+            v.observe(Verification(a, [c] * (a + 1)), n, CycleTiming(ctx, n, K if n else 0, FLAT[n], 0.3e-3 if n else 0.0))
+            if copies:
+                copy_cycle(v, ctx + 1, copies)
+        return v.decisions()
+
+    alone = run(None)
+    assert run(DraftSource.LOOKUP) == alone
+    assert run(DraftSource.MODEL) != alone  # learned from, the same copies change the decisions
