@@ -1,10 +1,12 @@
 """The lossless acceptance rules, as pure functions over ArrayOps shared by every verifier.
 
-Greedy: keep the longest prefix of drafts equal to the target's argmax rows, then emit the
-argmax of the next row. Sampling (Leviathan et al. 2211.17192; Chen et al. 2302.01318):
-accept draft x_i iff ``u_i * q_i(x_i) < p_i(x_i)``; at the first rejection emit a token from
+Speculative sampling (Leviathan et al. 2211.17192; Chen et al. 2302.01318): accept draft x_i
+iff ``u_i * q_i(x_i) < p_i(x_i)``; at the first rejection emit a token from
 ``normalise(max(0, p_i - q_i))`` (p_i itself if that has no mass); after k acceptances emit
-a bonus token from p_k. ``draft=None`` is plain decoding from row 0.
+a bonus token from p_k. ``draft=None`` is plain decoding from row 0. The greedy rule is its
+temperature-0 case (:func:`greedy_verify`): p_i is the point mass at the argmax, so a draft
+passes iff it is the argmax, and the argmax is emitted where the walk stops. Both end in the
+same host-side walk over the cycle's rows (:func:`settle`).
 
 Each cycle makes one device-to-host transfer: a short float32 vector with the per-row
 argmax or candidate tokens, the per-row maxima (to detect NaN/inf rows), the target and
@@ -21,7 +23,9 @@ backends.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Sequence
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.errors import NonFiniteLogitsError
@@ -53,9 +57,13 @@ def fetch(ops: ArrayOps, parts: Sequence[Array]) -> list[float]:
 
 
 def greedy_verify(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> Verification:
-    """Longest prefix of drafts equal to the target's argmax, then the next argmax.
+    """Speculative sampling at temperature 0: the longest prefix of drafts equal to the target's
+    argmax, then the next argmax.
 
-    Ties go to the lowest index (the backends' argmax), exactly as plain greedy decoding.
+    p is the point mass at the argmax and a draft counts as the point mass at x, whatever it
+    proposed, so p(x) / q(x) is 1 or 0 and no uniform is needed; a rejected x leaves the residual
+    max(0, p - q) = p, so the argmax is emitted, as it is at the bonus row. Ties go to the lowest
+    index (the backends' argmax), exactly as plain greedy decoding.
     """
     k = num_drafts(draft)
     rows = verify_rows(target_logits, k)
@@ -63,15 +71,35 @@ def greedy_verify(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> V
     if k:
         parts.append(draft.token_ids[:k])
     host = fetch(ops, parts)
-    best, row_max, drafts = host[: k + 1], host[k + 1 : 2 * k + 2], [int(t) for t in host[2 * k + 2 :]]
+    best, row_max, drafts = host[: k + 1], host[k + 1 : 2 * k + 2], host[2 * k + 2 :]
+    matches = [float(int(x) == int(b)) for x, b in zip(drafts, best)]
+    cycle = HostCycle([math.isfinite(m) for m in row_max], best, matches, [1.0] * k, drafts)
+    return settle(cycle, [0.0] * (k + 1), partial(_raise_non_finite, ops, rows, 0))
+
+
+@dataclass
+class HostCycle:
+    """One cycle on the host, as the walk over its drafts reads it (k drafts, k + 1 rows)."""
+
+    row_ok: list[bool]  # row r of the processed target is a distribution
+    picks: list[float]  # the token emitted when the walk stops at row r (exact float32 ids)
+    target_x: list[float]  # p_r(x_r)
+    draft_x: list[float]  # q_r(x_r)
+    drafts: list[float]  # x_r
+
+
+def settle(cycle: HostCycle, u: Sequence[float], fail: Callable[[int], None]) -> Verification:
+    """Accept drafts in order while their rows are distributions and they pass, then emit the
+    pick of the row where the walk stopped; ``fail(row)`` raises for a row that is not."""
+    k = len(cycle.drafts)
     accepted = 0
     while True:
-        if not math.isfinite(row_max[accepted]):
-            raise NonFiniteLogitsError(_non_finite_message(accepted, row_max[accepted]))
-        if accepted == k or drafts[accepted] != int(best[accepted]):
+        if not cycle.row_ok[accepted]:
+            fail(accepted)
+        if accepted == k or not accept_draft(cycle.target_x[accepted], cycle.draft_x[accepted], u[accepted]):
             break
         accepted += 1
-    return Verification(accepted, drafts[:accepted] + [int(best[accepted])])
+    return Verification(accepted, [int(t) for t in cycle.drafts[:accepted]] + [int(cycle.picks[accepted])])
 
 
 def accept_draft(target_prob: float, draft_prob: float, u: float) -> bool:
@@ -125,13 +153,12 @@ def speculative_verify(
         return greedy_verify(ops, draft, target_logits)
     k = num_drafts(draft)
     rows = verify_rows(target_logits, k)
-    if k == 0:
+    if k == 0:  # plain sampling: only the bonus row
         u = float(rng.random())
         probs = target_probs(ops, rows, sampling)
         row_max, token = fetch(ops, [ops.max(probs), inverse_cdf(ops, probs, u)])
-        if not 0.0 < row_max < math.inf:
-            _raise_non_finite(ops, rows, sampling, 0, 0)
-        return Verification(0, [int(token)])
+        cycle = HostCycle([0.0 < row_max < math.inf], [token], [], [], [])
+        return settle(cycle, [u], partial(_raise_non_finite, ops, rows, 0, temperature=sampling.temperature))
     draft_probs = None if draft.draft_probs is None else draft.draft_probs[:k][None]
     candidate_ids = None if draft.candidate_ids is None else draft.candidate_ids[:k][None]
     return speculative_verify_batch(ops, draft.token_ids[:k][None], rows[None], sampling, rng, draft_probs, candidate_ids)[0]
@@ -176,33 +203,28 @@ def speculative_verify_batch(
     parts = [ops.max(probs), inverse_cdf(ops, candidates, u_pick)]
     parts += [ops.gather(probs, x[:, None])[:, 0], ops.gather(q_full, x[:, None])[:, 0], x]
     host = fetch(ops, parts)
-    return [_decide(ops, rows, sampling, host, u_row, i * (k + 1), k, n) for i, u_row in enumerate(u.tolist())]
+    verifications = []
+    for i, u_row in enumerate(u.tolist()):
+        first = i * (k + 1)
+        fail = partial(_raise_non_finite, ops, rows, first, temperature=sampling.temperature)
+        verifications.append(settle(_sampled_cycle(host, first, k, n), u_row, fail))
+    return verifications
 
 
-def _decide(
-    ops: ArrayOps, rows: Array, sampling: SamplingParams, host: list[float], u: list[float], first: int, k: int, n: int
-) -> Verification:
-    """The host side of the cycle whose rows start at ``first``.
+def _sampled_cycle(host: list[float], first: int, k: int, n: int) -> HostCycle:
+    """The cycle whose rows start at ``first``, out of a batch's ``host`` values: n row maxima,
+    n picks, n values p(x), n values q(x), n draft ids."""
+    def part(i: int, length: int) -> list[float]:
+        return host[i * n + first : i * n + first + length]
 
-    ``host`` holds n row maxima, n candidate tokens, n values p(x), n values q(x), n draft ids.
-    """
-    accepted = 0
-    while True:
-        r = first + accepted
-        if not 0.0 < host[r] < math.inf:  # NaN fails too
-            _raise_non_finite(ops, rows, sampling, r, accepted)
-        if accepted == k or not accept_draft(host[2 * n + r], host[3 * n + r], u[accepted]):
-            break
-        accepted += 1
-    tokens = [int(t) for t in host[4 * n + first : 4 * n + first + accepted]]
-    tokens.append(int(host[n + first + accepted]))
-    return Verification(accepted, tokens)
+    return HostCycle([0.0 < m < math.inf for m in part(0, k + 1)], part(1, k + 1), part(2, k), part(3, k), part(4, k))
 
 
-def _raise_non_finite(ops: ArrayOps, rows: Array, sampling: SamplingParams, r: int, row: int) -> None:
-    """Processed row ``r`` (cycle row ``row``) is not a distribution: say why."""
+def _raise_non_finite(ops: ArrayOps, rows: Array, first: int, row: int, temperature: float | None = None) -> None:
+    """Row ``row`` of the cycle whose rows start at ``rows[first]`` does not give a distribution: say why."""
+    r = first + row
     raw_max = ops.to_list(ops.max(ops.float32(rows[r : r + 1])))[0]
-    raise NonFiniteLogitsError(_non_finite_message(row, raw_max, sampling.temperature))
+    raise NonFiniteLogitsError(_non_finite_message(row, raw_max, temperature))
 
 
 def _non_finite_message(row: int, row_max: float, temperature: float | None = None) -> str:

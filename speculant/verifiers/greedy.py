@@ -1,23 +1,22 @@
-"""The greedy verifier: exact token-for-token agreement with plain greedy decoding."""
+"""The greedy verifier: speculative sampling restricted to temperature 0, where it is exact
+token-for-token agreement with plain greedy decoding."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from speculant.core.arrays import Array, ArrayOps
-from speculant.core.interfaces import Verifier
-from speculant.core.types import Draft, ProposalKind, SamplingParams, Verification
-from speculant.verifiers.acceptance import greedy_verify
+from speculant.core.types import Draft, SamplingParams, Verification
+from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
 
-class GreedyVerifier(Verifier):
+class GreedyVerifier(SpeculativeSamplingVerifier):
     """Accept the longest prefix of drafts equal to the target's argmax (temperature 0 only).
 
     It ignores the draft distribution, so it accepts every proposal kind.
     """
 
     name = "greedy"
-    accepts = (ProposalKind.ONE_HOT, ProposalKind.DENSE, ProposalKind.SPARSE)
     supports_sampling = False
 
     def verify(
@@ -33,4 +32,4 @@ class GreedyVerifier(Verifier):
                 f"the greedy verifier only supports temperature 0, but sampling.temperature is {sampling.temperature}; "
                 "use verifier.kind = 'speculative_sampling' (or 'auto') to sample"
             )
-        return greedy_verify(ops, draft, target_logits)
+        return super().verify(ops, draft, target_logits, sampling, rng)
