@@ -120,3 +120,50 @@ def test_worked_example_excerpts_match_the_example_plugin():
         files = [f for f in EXAMPLES.rglob("*") if f.as_posix().endswith("/" + path)]
         assert len(files) == 1, f"docs/plugins.md quotes {path}, which is not one file under tests/plugins"
         assert code in files[0].read_text(encoding="utf-8"), f"docs/plugins.md's excerpt of {path} no longer matches it"
+
+
+# -- links --------------------------------------------------------------------------------------
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def local_links(page: Path) -> list[tuple[Path, str]]:
+    """``(target file, anchor)`` for every relative link of ``page``."""
+    links = []
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if re.match(r"\w+://|mailto:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        links.append(((page.parent / path).resolve() if path else page, anchor))
+    return links
+
+
+def test_every_docs_page_is_linked_from_the_readme_or_another_page():
+    linked = {target for page in PAGES for target, _ in local_links(page) if target != page}
+    orphans = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not orphans, f"link these from README.md or another docs page: {orphans}"
+
+
+def test_local_links_resolve():
+    broken = []
+    for page in PAGES:
+        for target, anchor in local_links(page):
+            if not target.exists():
+                broken.append(f"{page.name} -> {target.relative_to(ROOT)}")
+            elif anchor and target.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), flags=re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    broken.append(f"{page.name} -> {target.name}#{anchor}")
+    assert not broken, broken
+
+
+def test_the_link_checks_can_fail(tmp_path):
+    assert slug("`drafter.options`") == "drafteroptions" and slug("## `[backend]`".lstrip("# ")) == "backend"
+    page = tmp_path / "page.md"
+    page.write_text("[a](missing.md) [b](https://example.com/x.md) [c](#here)\n")
+    assert local_links(page) == [(tmp_path / "missing.md", ""), (page, "here")]

@@ -136,7 +136,8 @@ class SamplingConfig(_Section):
     top_k: int = 0
     """Keep only the k most likely tokens (0 = off)."""
     seed: int | None = None
-    """Seed of the sampling and drafting random streams; unset = fresh each request."""
+    """Seed of the sampling and drafting random streams; unset = fresh each request. A seed repeats
+    the text only with the same draft widths (`adaptive` changes them as it learns)."""
 
 
 class GenerationConfig(_Section):
