@@ -36,7 +36,8 @@ What a plugin provides, and what the engine hands it:
   :func:`safetensors_files` and :func:`compare_inventory` read safetensors headers without
   loading weights, for ``describe``.
 - **errors**: raise :class:`CheckpointError` for bad weights and :class:`ConfigError` for bad
-  settings; both carry the config ``field``.
+  settings (both carry the config ``field``), and :class:`NonFiniteLogitsError` from a verifier or
+  a target's greedy steps when the logits are NaN or infinite.
 
 docs/plugins.md describes each hook, how plugins are found and switched off, and a worked
 third-party drafter.
@@ -49,7 +50,7 @@ import pluggy
 from speculant.core.arrays import ArrayOps, NumpyOps
 from speculant.core.checkpoint import compare_inventory, read_safetensors_header, safetensors_files, tensor_inventory
 from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
-from speculant.core.errors import CheckpointError, ConfigError, PluginError, SpeculantError
+from speculant.core.errors import CheckpointError, ConfigError, NonFiniteLogitsError, PluginError, SpeculantError
 from speculant.core.interfaces import Backend, Drafter, DrafterFactory, TargetModel, Verifier
 from speculant.core.problems import Problem, Report
 from speculant.core.types import (
@@ -85,5 +86,5 @@ __all__ = [
     # checkpoints
     "compare_inventory", "read_safetensors_header", "safetensors_files", "tensor_inventory",
     # errors
-    "CheckpointError", "ConfigError", "PluginError", "SpeculantError",
+    "CheckpointError", "ConfigError", "NonFiniteLogitsError", "PluginError", "SpeculantError",
 ]
