@@ -73,6 +73,11 @@ def undocumented(model: type[BaseModel], prefix: str = "") -> list[str]:
     return missing
 
 
+def failed_builtins(registry) -> list[str]:
+    """Built-in plugins that did not load here (their names and options would be missing)."""
+    return [f"{p.name} ({p.error})" for p in registry.plugins if p.distribution == "builtin" and p.status != "loaded"]
+
+
 def render(registry, config: type[BaseModel] = EngineConfig) -> str:
     """The whole of docs/configuration.md for ``config`` and the built-ins of ``registry``."""
     builtins = {kind: _builtin(registry, kind) for kind in ("backends", "drafters", "verifiers")}
@@ -206,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = undocumented(EngineConfig)
     if missing:
         print(f"fields without a description: {', '.join(missing)}", file=sys.stderr)
-    text = render(Registry().load())
+    registry = Registry().load()
+    if failed_builtins(registry):
+        print(f"built-in plugins failed to load: {'; '.join(failed_builtins(registry))}; "
+              "install every extra (see README) before generating the reference", file=sys.stderr)
+        return 2
+    text = render(registry)
     if args.check:
         current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
         if current != text:
