@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = held_out_prompts(args.prompts)
-    speculant.Engine.from_config(embedded.engine_config("dflash2", lookup=False)).run(prompt_ids=prompts[0], max_new_tokens=16)  # process warm-up
+    speculant.load_engine(embedded.engine_config("dflash2", lookup=False)).run(prompt_ids=prompts[0], max_new_tokens=16)  # process warm-up
     rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(args.repeats):
         for prompt in prompts:
@@ -43,7 +43,7 @@ def main() -> None:
                 config = embedded.engine_config(None if verifier is None else "dflash2", lookup=False)
                 if verifier is not None:
                     config["verifier"] = verifier
-                engine = speculant.Engine.from_config(config)
+                engine = speculant.load_engine(config)
                 stats = engine.run(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True).stats
                 rates[name].append(stats.decode_tokens_per_s)
     for name, values in rates.items():

@@ -73,9 +73,9 @@ def engines(target: Path, draft: Path, device: str, dtype: str, options: dict, k
     base = {"backend": {"kind": "torch", "device": device, "dtype": dtype}, "target": {"path": str(target)}}
     drafter = {"kind": kind, "path": str(draft)}
     return {
-        "plain": speculant.Engine.from_config(base),
-        "fixed": speculant.Engine.from_config({**base, "drafter": drafter, "verifier": {"kind": "speculative_sampling"}}),
-        "adaptive": speculant.Engine.from_config({**base, "drafter": drafter, "verifier": {"kind": "adaptive", "options": options}}),
+        "plain": speculant.load_engine(base),
+        "fixed": speculant.load_engine({**base, "drafter": drafter, "verifier": {"kind": "speculative_sampling"}}),
+        "adaptive": speculant.load_engine({**base, "drafter": drafter, "verifier": {"kind": "adaptive", "options": options}}),
     }
 
 

@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(Path(tmp), args.hidden, args.layers, args.draft_layers, args.block_size)
-        engines = {kind: speculant.Engine.from_config({
+        engines = {kind: speculant.load_engine({
             "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
             "target": {"path": str(paths["target"])},
             "drafter": {"kind": kind, "path": str(paths[kind])},

@@ -32,7 +32,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     target = build_tiny_target(root / "target", hidden_size=512, num_layers=6, max_position_embeddings=16384)
     draft = build_tiny_dflash(root / "draft", target, num_layers=5, block_size=8)
-    engine = speculant.Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+    engine = speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                            "target": {"path": str(target)},
                                            "drafter": {"kind": "dflash", "path": str(draft)}})
     drafter = engine.drafter
@@ -42,7 +42,7 @@ def main() -> None:
         times, position = [], length
         for _ in range(args.cycles):
             start = time.perf_counter()
-            drafter._hidden(DraftRequest(5, position, 7))
+            drafter.hidden(DraftRequest(5, position, 7))
             times.append(time.perf_counter() - start)
             drafter.commit(ForwardOutput(logits=None, features=torch.randn(8, width)), 4, [5] * 4)
             position += 4

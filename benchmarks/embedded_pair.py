@@ -35,7 +35,7 @@ def engines(backend: str, dtype: str, verifiers: list[str], block_size: int = 8,
         config["verifier"] = {"kind": verifier}
         if block:
             config["drafter"]["block_size"] = block
-        return speculant.Engine.from_config(config)
+        return speculant.load_engine(config)
 
     out = {"plain": make(None)}
     if True in lookups:  # prompt-lookup decoding alone: copies where something matches, plain steps elsewhere

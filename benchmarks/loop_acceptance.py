@@ -69,7 +69,7 @@ def engine(kind: str, path: str | None):
     config["drafter"]["block_size"] = 3 if kind == "mtp" else 8
     if path:
         config["drafter"]["path"] = path
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 def main() -> None:

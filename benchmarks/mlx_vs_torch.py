@@ -49,7 +49,7 @@ def engine(kind: str, dtype: str, target: Path, draft: Path | None = None):
     config = {"backend": {"kind": kind, "device": "cpu", "dtype": dtype}, "target": {"path": str(target)}}
     if draft is not None:
         config["drafter"] = {"kind": "dflash", "path": str(draft)}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 def reference_rates(target: Path, draft: Path, prompt: list[int], args, block: int) -> tuple[float, float, float]:

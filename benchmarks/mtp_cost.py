@@ -40,7 +40,7 @@ def make_engine(args, target: Path, folder: Path | None):
     drafter = {"kind": "mtp", "block_size": 4}
     if folder is not None:
         drafter["path"] = str(folder)
-    return speculant.Engine.from_config({"backend": {"kind": args.backend, "device": args.device, "dtype": args.dtype},
+    return speculant.load_engine({"backend": {"kind": args.backend, "device": args.device, "dtype": args.dtype},
                                          "target": {"path": str(target)}, "drafter": drafter})
 
 

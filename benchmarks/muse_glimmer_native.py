@@ -44,9 +44,9 @@ def main() -> None:
                                                   sliding_window=32)
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)},
               "verifier": {"kind": "greedy"}}
-    spec = speculant.Engine.from_config({**config, "drafter": {"kind": "dflash", "path": str(assistant),
+    spec = speculant.load_engine({**config, "drafter": {"kind": "dflash", "path": str(assistant),
                                                               "lookup": False}})
-    spec_plain = speculant.Engine.from_config(config)
+    spec_plain = speculant.load_engine(config)
     hf_target = MuseGlimmerForConditionalGeneration.from_pretrained(str(target), dtype=torch.float32).eval()
     hf_assistant = MuseGlimmerAssistantModel.from_pretrained(str(assistant), dtype=torch.float32).eval()
     n = args.new_tokens

@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = build(Path(tmp), args.hidden, args.layers)
-        engine = speculant.Engine.from_config({
+        engine = speculant.load_engine({
             "backend": {"kind": "torch", "device": "cpu", "dtype": args.dtype},
             "target": {"path": str(target)},
             "drafter": {"kind": "dflash", "path": str(draft), "block_size": args.block_size},

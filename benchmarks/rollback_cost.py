@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from speculant.backends.torch import rollback
-from speculant.core.engine import Engine
+from speculant.api import load_engine
 from speculant.core.types import Capture
 from speculant.testing.planted_drafter import registry_with_planted
 
@@ -87,10 +87,10 @@ def cycle_costs(engine, prompt: list[int], args) -> dict[str, list[float]]:
 
 
 def decode_speed(path: Path, prompt: list[int], args) -> dict[str, float]:
-    plain = Engine.from_config(engine_config(path, args), registry=registry_with_planted()).without_drafter()
+    plain = load_engine(engine_config(path, args), registry=registry_with_planted()).without_drafter()
     reference = plain.run(prompt_ids=prompt, max_new_tokens=args.new_tokens, ignore_eos=True).token_ids
     mistakes = [-1] * (args.mistake_every - 1) + [args.block // 2] if args.mistake_every else [-1]
-    spec = Engine.from_config(engine_config(path, args, [(prompt, reference)], mistakes), registry=registry_with_planted())
+    spec = load_engine(engine_config(path, args, [(prompt, reference)], mistakes), registry=registry_with_planted())
     rates: dict[str, list[float]] = {"plain": [], "speculative": []}
     acceptance = 0.0
     for _ in range(args.repeats):
@@ -130,7 +130,7 @@ def main() -> None:
     if not (path / "config.json").exists():
         build_target(path, args.hidden, args.layers, args.heads)
     prompt = [(i * 37 + 11) % 300 for i in range(args.prompt_len)]
-    engine = Engine.from_config(engine_config(path, args), registry=registry_with_planted())
+    engine = load_engine(engine_config(path, args), registry=registry_with_planted())
 
     costs = {k: statistics.median(v) * 1e3 for k, v in cycle_costs(engine, prompt, args).items()}
     verify = costs["verify"]

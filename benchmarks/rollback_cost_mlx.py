@@ -43,7 +43,7 @@ def engine_for(target: Path, lookup: bool, args):
     if lookup:
         cfg["drafter"] = {"kind": "none", "block_size": args.block,
                           "lookup": {"enabled": True, "min_match": 2, "max_match": 8}}
-    return speculant.Engine.from_config(cfg)
+    return speculant.load_engine(cfg)
 
 
 def snapshot(target) -> list:

@@ -117,10 +117,11 @@ def main() -> None:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     import torch
 
-    from speculant import Engine, embedded
+    from speculant import embedded
+    from speculant.api import load_engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine.from_config(embedded.engine_config(backend="torch"))
+    engine = load_engine(embedded.engine_config(backend="torch"))
     with server_process(args.threads) as url:
         overhead(engine, url, args.repeats, args.max_new_tokens)
         for clients in (1, 4, 16):

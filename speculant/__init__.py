@@ -6,31 +6,28 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineConfig", "GenerationStats", "validate", "__version__"]
+__all__ = ["Engine", "EngineConfig", "GenerationStats", "load_engine", "validate", "__version__"]
 
 if TYPE_CHECKING:
+    from speculant.api import load_engine, validate
     from speculant.core.config import EngineConfig
     from speculant.core.engine import Engine
     from speculant.core.metrics import GenerationStats
-    from speculant.core.validator import validate
+
+_LAZY = {
+    "Engine": "speculant.core.engine",
+    "EngineConfig": "speculant.core.config",
+    "GenerationStats": "speculant.core.metrics",
+    "load_engine": "speculant.api",
+    "validate": "speculant.api",
+}
 
 
 def __getattr__(name: str):
     # Lazy, so `import speculant` stays cheap and never imports torch or mlx.
-    if name == "Engine":
-        from speculant.core.engine import Engine
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'speculant' has no attribute {name!r}")
+    from importlib import import_module
 
-        return Engine
-    if name == "EngineConfig":
-        from speculant.core.config import EngineConfig
-
-        return EngineConfig
-    if name == "GenerationStats":
-        from speculant.core.metrics import GenerationStats
-
-        return GenerationStats
-    if name == "validate":
-        from speculant.core.validator import validate
-
-        return validate
-    raise AttributeError(f"module 'speculant' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -133,7 +133,7 @@ def check_sampling(
 
 def target_distribution(engine: Any, context: list[int], sampling: SamplingParams) -> np.ndarray:
     """The target's processed next-token distribution after ``context`` (one plain forward)."""
-    from speculant.verifiers.processing import target_probs
+    from speculant.core.sampling import target_probs
 
     ops = engine.backend.ops
     engine.target.reset()
@@ -220,12 +220,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser], add_override_fl
 
 def cmd_check(args: argparse.Namespace) -> int:
     from speculant.cli import build_config, load_registry
-    from speculant.core.engine import Engine
+    from speculant.api import load_engine
 
     if args.max_new_tokens is None:
         args.max_new_tokens = 64
     config = build_config(args)
-    engine = Engine.from_config(config, registry=load_registry(args))
+    engine = load_engine(config, registry=load_registry(args))
     if not engine.speculative:
         from speculant.cli import UsageError
 

@@ -91,13 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train(sub: Any) -> None:
-    """``speculant train``: parser and commands live in speculant.training.command.
+    """``speculant train``: parser and commands live in speculant.training.command (its commands
+    load torch lazily, so the CLI itself stays array-library free)."""
+    from speculant.training import command
 
-    Imported by name: its commands load torch lazily, and the CLI itself stays array-library free.
-    """
-    import importlib
-
-    importlib.import_module("speculant.training.command").add_parser(sub)
+    command.add_parser(sub)
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -143,9 +141,9 @@ def _add_override_flags(gen: argparse.ArgumentParser) -> None:
 
 # -- shared helpers --------------------------------------------------------------------------
 def load_registry(args: argparse.Namespace):
-    from speculant.plugins.manager import Registry
+    from speculant.api import plugin_registry
 
-    return Registry().load(extra_modules=tuple(args.plugin))
+    return plugin_registry(args.plugin)
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
@@ -210,13 +208,13 @@ def warn(message: str) -> None:
 
 # -- generate --------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from speculant.core.engine import Engine
+    from speculant.api import load_engine
 
     if not args.chat and (args.system is not None or args.thinking is not None):
         raise UsageError("--system and --thinking/--no-thinking need --chat")
     config = build_config(args)
     prompt = read_prompt(args)
-    engine = Engine.from_config(config, registry=load_registry(args))
+    engine = load_engine(config, registry=load_registry(args))
     if INTERRUPTED.is_set():  # Ctrl-C while loading that Python swallowed (e.g. inside a __del__)
         raise KeyboardInterrupt
     for problem in engine.report.warnings if engine.report else []:
@@ -228,12 +226,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not engine.speculative:
             raise UsageError("--compare needs a drafter or --lookup (it compares speculative with plain decoding)")
         warm_up(engine, prompt, not args.chat)
-    stats = stream(engine, prompt, add_special_tokens=not args.chat)
+    generation = stream(engine, prompt, add_special_tokens=not args.chat)
+    stats = generation.stats
     if stats is not None:
         print(json.dumps(stats.as_dict()) if args.json else str(stats), file=sys.stderr)
     interrupted = stats is None or stats.stop_reason == "interrupted"
     if args.compare and not interrupted:
-        compare(config, engine, prompt, not args.chat, stats, args.json)
+        compare(config, engine, prompt, not args.chat, generation, args.json)
     return INTERRUPTED_EXIT if interrupted else 0
 
 
@@ -242,9 +241,10 @@ def warm_up(engine: Any, prompt: str, add_special_tokens: bool) -> None:
     engine.run(prompt, max_new_tokens=8, add_special_tokens=add_special_tokens)
 
 
-def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: bool, stats: Any, as_json: bool) -> None:
+def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: bool, generation: Any,
+            as_json: bool) -> None:
     """Decode the same prompt with the same target and settings but no drafter; report both."""
-    speculative_ids = list(engine.last_token_ids)
+    stats, speculative_ids = generation.stats, generation.token_ids
     plain = engine.without_drafter()
     warm_up(plain, prompt, add_special_tokens)
     # same length as the speculative run, so both decode rates cover the same positions
@@ -271,7 +271,8 @@ def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: 
 
 
 def stream(engine: Any, prompt: str, add_special_tokens: bool = True):
-    """Print chunks as they come; Ctrl-C ends generation and keeps what was produced."""
+    """Print chunks as they come; Ctrl-C ends generation and keeps what was produced. Returns the
+    finished :class:`~speculant.core.engine.Generation` (its stats and token ids)."""
     chunks = engine.generate(prompt, add_special_tokens=add_special_tokens)
     ended_with_newline = True
     try:
@@ -287,12 +288,12 @@ def stream(engine: Any, prompt: str, add_special_tokens: bool = True):
     if not ended_with_newline and sys.stdout.isatty():
         sys.stdout.write("\n")
     sys.stdout.flush()
-    return engine.last_stats
+    return chunks
 
 
 # -- validate --------------------------------------------------------------------------------
 def cmd_validate(args: argparse.Namespace) -> int:
-    from speculant.core.validator import validate
+    from speculant.api import validate
 
     report = validate(args.config, registry=load_registry(args))
     if args.json:

@@ -35,7 +35,7 @@ def engine(target, draft=None, verifier=None, **drafter):
         config["drafter"] = {"kind": "dflash", "path": str(draft), **drafter}
     if verifier is not None:
         config["verifier"] = {"kind": "adaptive", "options": verifier}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 def share(base, verifier):
@@ -289,8 +289,8 @@ def dflash2_pair(tmp_path_factory, torch_threads):
 def test_dflash2_confidence_reaches_the_policy_and_greedy_stays_identical(dflash2_pair):
     target, draft = dflash2_pair
     base = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
-    plain = speculant.Engine.from_config(base)
-    eng = speculant.Engine.from_config({**base, "drafter": {"kind": "dflash2", "path": str(draft)},
+    plain = speculant.load_engine(base)
+    eng = speculant.load_engine({**base, "drafter": {"kind": "dflash2", "path": str(draft)},
                                         "verifier": {"kind": "adaptive", "options": VARIED}})
     for prompt in PROMPTS.values():
         expected = plain.run(prompt_ids=prompt, max_new_tokens=40, ignore_eos=True).token_ids

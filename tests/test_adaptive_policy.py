@@ -476,7 +476,7 @@ def test_options_are_validated():
 
 
 def test_validator_reports_bad_adaptive_options(tiny_target):
-    from speculant.core.validator import validate
+    from speculant.api import validate
 
     config = {"target": {"path": str(tiny_target)}, "backend": {"kind": "torch", "device": "cpu"},
               "verifier": {"kind": "adaptive", "options": {"max_context": 0}}}

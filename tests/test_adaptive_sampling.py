@@ -159,14 +159,14 @@ def test_a_policy_that_peeks_at_the_target_is_detected(steady_clock):
 
 def test_engine_sampling_follows_the_target_with_adaptive_widths(planted_pair):
     import speculant
-    from speculant.verifiers.processing import target_probs
+    from speculant.core.sampling import target_probs
 
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
               "target": {"path": str(planted_pair["target"])},
               "drafter": {"kind": "dflash", "path": str(planted_pair["draft"])},
               "verifier": {"kind": "adaptive", "options": {"hysteresis": 0.0, "probe_interval": 2, "max_probe_interval": 4}},
               "sampling": {"temperature": 1.0, "top_k": 3}}
-    eng = speculant.Engine.from_config(config)
+    eng = speculant.load_engine(config)
     sampling = SamplingParams(temperature=1.0, top_k=3)
     ops, prompt = eng.backend.ops, [160, 160, 5]
 

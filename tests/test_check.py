@@ -33,12 +33,12 @@ def config(pair, **sampling):
 
 @pytest.fixture(scope="module")
 def engine(planted_pair):
-    return speculant.Engine.from_config(config(planted_pair))
+    return speculant.load_engine(config(planted_pair))
 
 
 @pytest.fixture(scope="module")
 def broken(planted_pair):
-    e = speculant.Engine.from_config(config(planted_pair))
+    e = speculant.load_engine(config(planted_pair))
     e.verifier = AcceptEverything()
     return e
 

@@ -43,7 +43,7 @@ def engine_for(target: Path, **generation):
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
     if generation:
         config["generation"] = generation
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ def test_both_codebook_spellings_load_and_agree(pair):
     assert errors(pair["target"], pair["draft_weight"]) == []
     outputs = []
     for key in ("draft", "draft_weight"):
-        engine = speculant.Engine.from_config(config(pair["target"], pair[key]))
+        engine = speculant.load_engine(config(pair["target"], pair[key]))
         selector = engine.drafter.model.candidate_selector
         assert float(selector.successor_codebook.abs().sum()) > 0  # really loaded, not left at init
         outputs.append(engine.run(prompt_ids=[5, 6, 7], max_new_tokens=12, ignore_eos=True).token_ids)
@@ -166,7 +166,7 @@ def test_loader_refuses_both_spellings_even_without_validation(pair):
         t[CODEBOOKS[1] + ".weight"] = t[CODEBOOKS[1]].copy()
 
     bad = variant(pair, "both_spellings_load", add_suffixed)
-    engine = speculant.Engine.from_config(config(pair["target"], pair["draft"]))
+    engine = speculant.load_engine(config(pair["target"], pair["draft"]))
     from speculant.plugins.manager import get_registry
 
     dflash2 = get_registry().drafters["dflash2"]

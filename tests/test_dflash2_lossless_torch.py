@@ -32,7 +32,7 @@ def engine(target, draft=None):
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
     if draft is not None:
         config["drafter"] = {"kind": "dflash2", "path": str(draft)}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_seeded_sampling_is_reproducible(engines):
 
 def exact_distribution(eng, prompt, n, sampling):
     """The target's own probability of every n-token continuation within its top-k."""
-    from speculant.verifiers.processing import target_probs
+    from speculant.core.sampling import target_probs
 
     ops = eng.backend.ops
 
@@ -216,7 +216,7 @@ def test_quantized_draft_stays_lossless_and_keeps_selector_and_convs_float(pair,
     pytest.importorskip("torchao")
     import torch
 
-    eng = speculant.Engine.from_config({
+    eng = speculant.load_engine({
         "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},
         "drafter": {"kind": "dflash2", "path": str(pair["dflash2"]), "quantization": spec}})
     model = eng.drafter.model
@@ -232,7 +232,7 @@ def test_quantize_all_also_quantizes_the_selector_and_convs_and_stays_lossless(p
     import torch
 
     floating = engine(pair["target"], pair["dflash2_rank32"]).drafter.model.candidate_selector
-    eng = speculant.Engine.from_config({
+    eng = speculant.load_engine({
         "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},
         "drafter": {"kind": "dflash2", "path": str(pair["dflash2_rank32"]),
                     "quantization": {"weight_bits": 8, "activation_bits": 32, "group_size": 32, "quantize_all": True}}})

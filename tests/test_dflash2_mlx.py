@@ -36,7 +36,7 @@ def engine(kind, target, draft=None, **drafter):
     config = {"backend": {"kind": kind, "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
     if draft is not None:
         config["drafter"] = {"kind": "dflash2", "path": str(draft), **drafter}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_quantize_all_also_quantizes_the_selector_and_convs_and_stays_lossless(p
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_quantize_all_needs_a_selector_rank_the_group_size_divides(pair, backend):
-    from speculant.core.validator import validate
+    from speculant.api import validate
 
     def problems(draft, spec):
         cfg = {"backend": {"kind": backend, "device": "cpu", "dtype": "float32"}, "target": {"path": str(pair["target"])},

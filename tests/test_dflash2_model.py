@@ -95,7 +95,7 @@ def identity_pair(tmp_path_factory, torch_threads):
 
 def engine(pair, name):
     kind = "dflash" if name == "dflash" else "dflash2"
-    return speculant.Engine.from_config({
+    return speculant.load_engine({
         "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
         "target": {"path": str(pair["target"])},
         "drafter": {"kind": kind, "path": str(pair[name])},
@@ -110,7 +110,7 @@ def first_round_hidden(eng, prompt, k=7):
     out = eng.target.prefill(prompt, capture)
     first = int(out.logits[-1].argmax())
     eng.drafter.prefill(prompt, out, first)
-    return eng.drafter._hidden(DraftRequest(first, len(prompt), k))
+    return eng.drafter.hidden(DraftRequest(first, len(prompt), k))
 
 
 @pytest.mark.parametrize("prompt", [[5], list(range(20, 52))], ids=["one_token", "longer_than_window"])

@@ -88,7 +88,7 @@ def reference_runs(reference_venv, checkpoints):
 def test_same_proposals_tokens_and_acceptance(checkpoints, reference_runs, case, backend):
     name, prompt, block_size, max_new = CASES[case]
     target, draft = checkpoints[name]
-    engine = speculant.Engine.from_config({
+    engine = speculant.load_engine({
         "backend": {"kind": backend, "device": "cpu", "dtype": "float32"},
         "target": {"path": str(target)},
         "drafter": {"kind": "dflash2", "path": str(draft)},

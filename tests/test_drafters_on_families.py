@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import speculant
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.testing.tiny import build_tiny_dflash, plant_checkpoint
 from speculant.testing.tiny_dflash2 import build_tiny_dflash2
 from speculant.testing.tiny_families import build_tiny_family
@@ -44,7 +44,7 @@ def config(backend, target, kind=None, draft=None):
 
 
 def engine(backend, target, kind=None, draft=None):
-    return speculant.Engine.from_config(config(backend, target, kind, draft))
+    return speculant.load_engine(config(backend, target, kind, draft))
 
 
 class Families:

@@ -32,7 +32,7 @@ def engine(drafter, backend="torch", dtype="float32", verifier=None, lookup=Fals
     if verifier is not None:  # the shipped default is adaptive, which decodes plainly where drafts do not pay
         config["verifier"] = {"kind": verifier}
     config["drafter"].update(drafter_fields)
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_train_evaluate_prints_the_held_out_mean_acceptance_length(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["prompts"] == 2 and len(result["per_prompt"]) == 2
     assert result["mean_acceptance_length"] == pytest.approx(sum(result["per_prompt"]) / 2)
-    check = speculant.Engine.from_config({"target": {"path": str(target)}, "drafter": {"kind": "dflash", "path": str(draft)}})
+    check = speculant.load_engine({"target": {"path": str(target)}, "drafter": {"kind": "dflash", "path": str(draft)}})
     first = corpus_prompts(target, 2, 64, seed=1234, held_out=True)[0]
     stats = check.run(prompt_ids=first.tolist(), max_new_tokens=24, ignore_eos=True).stats
     assert result["per_prompt"][0] == pytest.approx(stats.mean_acceptance_length)

@@ -15,7 +15,7 @@ def make(target, draft=None, **extra):
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}, **extra}
     if draft is not None:
         config["drafter"] = {"kind": "dflash", "path": str(draft)}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_untimed_cycles_never_wait_for_the_backend(planted_pair, backend):
         pytest.importorskip("mlx.core")
 
     def make(verifier):
-        engine = speculant.Engine.from_config({
+        engine = speculant.load_engine({
             "backend": {"kind": backend, "device": "cpu", "dtype": "float32"},
             "target": {"path": str(planted_pair["target"])},
             "drafter": {"kind": "dflash", "path": str(planted_pair["draft"]), "block_size": 8},

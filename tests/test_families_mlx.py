@@ -185,7 +185,7 @@ def oracle_run(engine, fam) -> tuple[dict, set]:
 
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
 def test_family_greedy_equals_transformers(family, registry):
-    engine = speculant.Engine.from_config(config(family["target"], kind="oracle", block_size=BLOCK), registry)
+    engine = speculant.load_engine(config(family["target"], kind="oracle", block_size=BLOCK), registry)
     plain = engine.without_drafter()
     for name, prompt in family["prompts"].items():
         assert first_difference(run(plain, prompt), family["refs"][name]) is None, f"plain, {name} prompt"
@@ -203,7 +203,7 @@ def test_family_greedy_equals_transformers(family, registry):
     np.testing.assert_allclose(np.array(target.lm_head(out.final_hidden[-1:])), np.array(out.logits[-1:]),
                                rtol=1e-5, atol=1e-5)
 
-    dflash = speculant.Engine.from_config(config(family["target"], kind="dflash", path=str(family["draft"])))
+    dflash = speculant.load_engine(config(family["target"], kind="dflash", path=str(family["draft"])))
     blocks = watch_blocks(dflash)
     assert first_difference(run(dflash, family["prompts"]["long"]), family["refs"]["long"]) is None
     assert "rejected at 0" in kinds(blocks)
@@ -225,7 +225,7 @@ def test_keeping_the_blocks_recurrent_state_is_caught(family, registry, monkeypa
         return n
 
     monkeypatch.setattr(DeltaCache, "trim", keeps_block_state)
-    engine = speculant.Engine.from_config(config(family["target"], kind="oracle", block_size=BLOCK), registry)
+    engine = speculant.load_engine(config(family["target"], kind="oracle", block_size=BLOCK), registry)
     diffs, seen = oracle_run(engine, family)
     assert seen & {"rejected at 0", "partway"}  # it rolled back, and then decoded differently
     assert any(d is not None for d in diffs.values())
@@ -238,7 +238,7 @@ def test_a_model_ignoring_the_window_is_refused(family, monkeypatch):
 
     monkeypatch.setattr(families, "honour_window", lambda model, info: None)
     with pytest.raises(families.FamilyError, match=r"mistral.*layer_types says sliding_attention"):
-        speculant.Engine.from_config(config(family["target"]))
+        speculant.load_engine(config(family["target"]))
 
 
 def info(model_type, layer_types, raw_type=None) -> TargetInfo:

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 from speculant.backends.torch import rollback  # noqa: E402
 from speculant.backends.torch.backend import TorchBackend  # noqa: E402
 from speculant.core.config import BackendConfig  # noqa: E402
-from speculant.core.engine import Engine  # noqa: E402
+from speculant.api import load_engine
 from speculant.core.types import Capture  # noqa: E402
 from speculant.core.validator import read_target_info  # noqa: E402
 from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
@@ -81,7 +81,7 @@ def greedy(model, ids) -> list[int]:
 def planted_engine(path, script, mistakes=MISTAKES, **extra):
     options = {"script": script, "mistakes": mistakes}
     config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": {"kind": "planted", "options": options}}
-    return Engine.from_config({**config, **extra}, registry=registry_with_planted())
+    return load_engine({**config, **extra}, registry=registry_with_planted())
 
 
 def run_recorded(engine, ids, **kwargs):
@@ -167,7 +167,7 @@ def test_random_dflash_draft_is_lossless(family, reference, tmp_path, name):
 
     path, expected = family(name), reference(name)
     draft = build_tiny_dflash(tmp_path / "draft", path, seed=5, block_size=8)
-    engine = Engine.from_config({"backend": BACKEND, "target": {"path": str(path)},
+    engine = load_engine({"backend": BACKEND, "target": {"path": str(path)},
                                  "drafter": {"kind": "dflash", "path": str(draft)}})
     result, cycles = run_recorded(engine, PROMPTS["long"], max_new_tokens=32)
     assert result.token_ids == expected["long"][:32]
@@ -202,7 +202,7 @@ def test_sampling_on_a_hybrid_follows_the_target(family, monkeypatch):
     first one read from a rolled-back state. The law of the first three tokens must be the
     target's (chi-square); with the whole-block recurrent state kept it must not be."""
     from speculant.core.types import SamplingParams
-    from speculant.verifiers.processing import target_probs
+    from speculant.core.sampling import target_probs
 
     chisquare = pytest.importorskip("scipy.stats").chisquare
     sampling = SamplingParams(temperature=1.0, top_k=2)

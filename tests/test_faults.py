@@ -19,7 +19,7 @@ import pytest
 import speculant
 from speculant.cli import main
 from speculant.core.errors import CheckpointError, EngineBusyError, SettingError, ValidationFailed
-from speculant.core.validator import validate
+from speculant.api import validate
 
 PROMPT = "def add(a, b):"
 N = 40
@@ -42,14 +42,14 @@ def builtins_only(monkeypatch):
 
 @pytest.fixture(scope="module")
 def torch_spec(planted_pair):
-    return speculant.Engine.from_config(config(planted_pair["target"], planted_pair["draft"]))
+    return speculant.load_engine(config(planted_pair["target"], planted_pair["draft"]))
 
 
 @pytest.fixture(scope="module")
 def mlx_spec(planted_pair):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    return speculant.Engine.from_config(config(planted_pair["target"], planted_pair["draft"], backend="mlx"))
+    return speculant.load_engine(config(planted_pair["target"], planted_pair["draft"], backend="mlx"))
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_target_missing_a_tensor_is_refused_before_decoding(tmp_path, tiny_targe
         pytest.importorskip("mlx_lm")
     path = _damaged(tmp_path, tiny_target, "no_norm", lambda w: w.pop("model.norm.weight"))
     with pytest.raises(ValidationFailed, match=r"missing tensor model\.norm\.weight"):  # from the headers
-        speculant.Engine.from_config(config(path, backend=backend))
+        speculant.load_engine(config(path, backend=backend))
     # and the backend's strict load refuses it too, for what headers alone cannot show
     from speculant.core.config import BackendConfig
     from speculant.plugins.manager import get_registry
@@ -200,7 +200,7 @@ def test_target_with_an_unexpected_tensor_is_refused(tmp_path, tiny_target):
 
     path = _damaged(tmp_path, tiny_target, "extra", lambda w: w.__setitem__("model.extra.weight", torch.zeros(3)))
     with pytest.raises(CheckpointError, match=r"unexpected tensor model\.extra\.weight"):
-        speculant.Engine.from_config(config(path))
+        speculant.load_engine(config(path))
 
 
 def _layer_tensor(weights) -> str:
@@ -262,7 +262,7 @@ def test_shipped_pair_and_tiny_families_load_strictly(tmp_path):
     for path in paths:
         report = validate(config(path, backend="torch"))
         assert report.ok, report.errors
-        speculant.Engine.from_config(config(path))
+        speculant.load_engine(config(path))
 
 
 # -- 3. one engine, one request at a time -------------------------------------------------------------
@@ -401,7 +401,7 @@ def test_config_faults_are_validator_problems(capsys, tmp_path, planted_pair, se
     report = validate(data)
     assert [p.field for p in report.errors] == [field], report.errors
     with pytest.raises(ValidationFailed):
-        speculant.Engine.from_config(data)
+        speculant.load_engine(data)
     path = tmp_path / "engine.json"
     path.write_text(__import__("json").dumps(data))
     assert main(["validate", str(path)]) == 1
@@ -457,12 +457,12 @@ def test_plugin_whose_describe_raises_is_a_problem(capsys, tmp_path, monkeypatch
 
 
 def test_unexpected_errors_are_one_line_unless_debug(capsys, monkeypatch, tiny_target):
-    from speculant.core import engine as engine_module
+    from speculant import api
 
     def explode(*args, **kwargs):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(engine_module.Engine, "from_config", classmethod(explode))
+    monkeypatch.setattr(api, "load_engine", explode)
     argv = ["generate", "--target", str(tiny_target), "--device", "cpu", "hi"]
     assert main(argv) == 1
     err = capsys.readouterr().err

@@ -98,7 +98,7 @@ def paths(planted_pair):
 
 @pytest.fixture(scope="module")
 def engine(planted_pair):
-    return speculant.Engine.from_config({
+    return speculant.load_engine({
         "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(planted_pair["target"])},
         "drafter": {"kind": "dflash", "path": str(planted_pair["draft"]), "lookup": True},
         "generation": {"max_new_tokens": CONFIG_MAX},  # what max_new_tokens=None leaves
@@ -116,7 +116,7 @@ def test_random_configs_run_or_name_the_field(paths):
     @given(configs(*paths))
     def check(config: dict) -> None:
         try:
-            engine = speculant.Engine.from_config(config)
+            engine = speculant.load_engine(config)
             result = engine.run(prompt_ids=[5, 6, 7])
         except Exception as exc:  # noqa: BLE001 - the property is about which exceptions come out
             assert_names_a_field(exc)

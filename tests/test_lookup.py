@@ -15,7 +15,7 @@ import pytest
 import speculant
 from speculant.core.config import ConfigError, EngineConfig
 from speculant.core.lookup import PromptLookup
-from speculant.core.validator import validate
+from speculant.api import validate
 
 
 def lookup(history, min_match=2, max_match=4):
@@ -68,8 +68,8 @@ def config(kind, pair, drafter="draft", lookup=True, **extra):
 def test_greedy_output_is_unchanged_and_copies_are_verified(planted_pair, kind, block_size):
     if kind == "mlx":
         pytest.importorskip("mlx_lm")
-    plain = speculant.Engine.from_config(config(kind, planted_pair, drafter=None))
-    spec = speculant.Engine.from_config(config(kind, planted_pair))
+    plain = speculant.load_engine(config(kind, planted_pair, drafter=None))
+    spec = speculant.load_engine(config(kind, planted_pair))
     copies = 0
     for name, ids in PROMPTS.items():
         expected = plain.run(prompt_ids=ids, max_new_tokens=48, ignore_eos=True).token_ids
@@ -86,11 +86,11 @@ def test_greedy_output_is_unchanged_and_copies_are_verified(planted_pair, kind, 
 def test_lookup_without_a_drafter_is_prompt_lookup_decoding(planted_pair, kind):
     if kind == "mlx":
         pytest.importorskip("mlx_lm")
-    plain = speculant.Engine.from_config(config(kind, planted_pair, drafter=None))
+    plain = speculant.load_engine(config(kind, planted_pair, drafter=None))
     data = config(kind, planted_pair, drafter=None)
     data["drafter"] = {"lookup": True, "block_size": 6}
-    copying = speculant.Engine.from_config(data)
-    assert copying.drafter is None and copying.speculative and copying.block_size == 6
+    copying = speculant.load_engine(data)
+    assert copying.drafter.inner is None and copying.speculative and copying.block_size == 6  # lookup alone
     for name, ids in PROMPTS.items():
         expected = plain.run(prompt_ids=ids, max_new_tokens=48, ignore_eos=True).token_ids
         result = copying.run(prompt_ids=ids, max_new_tokens=48, ignore_eos=True)
@@ -107,8 +107,8 @@ def test_lookup_without_a_drafter_is_prompt_lookup_decoding(planted_pair, kind):
 def test_drafter_proposals_are_skipped_on_copy_cycles_and_stay_in_step(planted_pair):
     """The drafter is not asked on copy cycles but still commits them; its later proposals are
     as good as without lookup (its context is complete), and the copies beat it on the loop."""
-    with_lookup = speculant.Engine.from_config(config("torch", planted_pair))
-    without = speculant.Engine.from_config(config("torch", planted_pair, lookup=False))
+    with_lookup = speculant.load_engine(config("torch", planted_pair))
+    without = speculant.load_engine(config("torch", planted_pair, lookup=False))
     asked = []
     propose = with_lookup.drafter.propose
     with_lookup.drafter.propose = lambda request: asked.append(request.position) or propose(request)
@@ -140,13 +140,13 @@ def test_sampling_follows_the_target_when_a_copy_is_verified(planted_pair):
     cycle after any first token verifies a copy; the first two tokens of many seeded runs must
     follow the target's two-token law (chi-square), as without lookup."""
     from speculant.core.types import SamplingParams
-    from speculant.verifiers.processing import target_probs
+    from speculant.core.sampling import target_probs
 
     scipy_stats = pytest.importorskip("scipy.stats")
 
     data = config("torch", planted_pair, sampling={"temperature": 1.0, "top_k": 3})
     data["drafter"]["lookup"] = {"enabled": True, "min_match": 1, "max_match": 2}
-    eng = speculant.Engine.from_config(data)
+    eng = speculant.load_engine(data)
     vocab = eng.target.info.vocab_size
     sampling = SamplingParams(temperature=1.0, top_k=3)
     ops, prompt = eng.backend.ops, list(range(vocab)) + [160, 160, 5]

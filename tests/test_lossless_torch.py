@@ -17,7 +17,7 @@ def engine(target, draft=None, **drafter):
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
     if draft is not None:
         config["drafter"] = {"kind": "dflash", "path": str(draft), **drafter}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")

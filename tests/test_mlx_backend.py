@@ -140,7 +140,7 @@ def test_tied_embeddings_use_the_embedding_as_head(tmp_path, torch_threads):
     hidden = mx.array(np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32))
     weight = t.model.model.embed_tokens.weight
     np.testing.assert_allclose(host(t.lm_head(hidden)), host(hidden @ weight.T), atol=1e-5)
-    plain = speculant.Engine.from_config({"backend": {"kind": "mlx", "dtype": "float32"}, "target": {"path": str(path)}})
+    plain = speculant.load_engine({"backend": {"kind": "mlx", "dtype": "float32"}, "target": {"path": str(path)}})
     assert len(plain.run(prompt_ids=[3, 4], max_new_tokens=5, ignore_eos=True).token_ids) == 5
 
 
@@ -163,7 +163,7 @@ def test_taps_are_per_instance_and_keep_mlx_lm_unchanged(targets, planted_pair):
 
 def test_two_drafters_with_different_layers_share_one_target(planted_pair, tmp_path):
     from speculant.core.engine import Engine
-    from speculant.core.validator import validate
+    from speculant.api import validate
     from speculant.plugins.manager import get_registry
     from speculant.testing.tiny import build_tiny_dflash
     from speculant.verifiers.greedy import GreedyVerifier
@@ -194,9 +194,9 @@ def test_bfloat16_target_and_peak_memory(planted_pair):
     b.synchronize()
     assert out.logits.dtype == mx.bfloat16 and out.features.dtype == mx.bfloat16
     assert b.peak_memory_bytes() > 0
-    e = speculant.Engine.from_config({"backend": {"kind": "mlx", "dtype": "bfloat16"}, "target": {"path": str(planted_pair["target"])},
+    e = speculant.load_engine({"backend": {"kind": "mlx", "dtype": "bfloat16"}, "target": {"path": str(planted_pair["target"])},
                                       "drafter": {"kind": "dflash", "path": str(planted_pair["draft"])}})
-    plain = speculant.Engine.from_config({"backend": {"kind": "mlx", "dtype": "bfloat16"}, "target": {"path": str(planted_pair["target"])}})
+    plain = speculant.load_engine({"backend": {"kind": "mlx", "dtype": "bfloat16"}, "target": {"path": str(planted_pair["target"])}})
     kwargs = dict(prompt_ids=[5, 6, 7], max_new_tokens=24, ignore_eos=True)
     assert e.run(block_size=8, **kwargs).token_ids == plain.run(**kwargs).token_ids
 
@@ -234,7 +234,7 @@ def test_llama_target_matches_torch_and_stays_lossless(llama_pair):
     from speculant.backends.mlx.target import Tap
 
     kw = dict(prompt_ids=[5, 6, 7, 8], max_new_tokens=24, ignore_eos=True)
-    plain = {kind: speculant.Engine.from_config({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
+    plain = {kind: speculant.load_engine({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
                                                  "target": {"path": str(llama_pair["target"])}}) for kind in ("torch", "mlx")}
     assert plain["mlx"].target.info.model_type == "llama"
     assert isinstance(plain["mlx"].target.model.model.layers[0], Tap)
@@ -246,7 +246,7 @@ def test_llama_target_matches_torch_and_stays_lossless(llama_pair):
         captured[kind] = e.target.prefill(PROMPT, Capture((1, 2), "post_norm"))
     for field in ("features", "final_hidden"):
         np.testing.assert_allclose(host(getattr(captured["mlx"], field)), host(getattr(captured["torch"], field)), atol=2e-4)
-    spec = speculant.Engine.from_config({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
+    spec = speculant.load_engine({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
                                          "target": {"path": str(llama_pair["target"])},
                                          "drafter": {"kind": "dflash", "path": str(llama_pair["draft"])}})
     for block in (3, 8):
@@ -254,12 +254,13 @@ def test_llama_target_matches_torch_and_stays_lossless(llama_pair):
 
 
 def test_sliding_draft_layers_keep_window_minus_one_context_rows(planted_pair):
-    e = speculant.Engine.from_config({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
+    e = speculant.load_engine({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
                                       "target": {"path": str(planted_pair["target"])},
                                       "drafter": {"kind": "dflash", "path": str(planted_pair["draft_swa"])}})
     e.run(prompt_ids=list(range(20, 52)), max_new_tokens=20, block_size=4, ignore_eos=True)
-    assert [c.window for c in e.drafter.caches] == [8, 8]
-    assert all(c.length == 7 and c.keys.shape[2] == 7 for c in e.drafter.caches)
+    cache = e.drafter.net.cache
+    assert cache.windows == [8, 8]
+    assert all(cache.length(i) == 7 and cache.view(i)[0].shape[2] == 7 for i in range(2))
     assert e.drafter.max_context == 7  # all layers slide: older feature rows are never projected
 
 
@@ -270,7 +271,7 @@ def test_mlx_takes_dflash_keys_only_from_dflash_config(planted_pair, tmp_path):
     import json
     import shutil
 
-    from speculant.core.validator import validate
+    from speculant.api import validate
 
     draft = tmp_path / "draft"
     shutil.copytree(planted_pair["draft"], draft)

@@ -26,7 +26,7 @@ def engine(target, draft=None, **drafter):
     config = {"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
     if draft is not None:
         config["drafter"] = {"kind": "dflash", "path": str(draft), **drafter}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_engine_runs_on_mlx(engines):
     e = engines["dflash"]
     assert e.backend.name == "mlx" and e.backend.device == "cpu"
     assert type(e.target).__module__ == "speculant.backends.mlx.target"
-    assert type(e.drafter).__module__ == "speculant.drafters.dflash.mlx"
+    assert type(e.drafter.net).__module__ == "speculant.drafters.dflash.mlx"
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS), ids=list(PROMPTS))

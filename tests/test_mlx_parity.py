@@ -19,7 +19,7 @@ def engine(kind, target, draft=None, **extra):
     config = {"backend": {"kind": kind, "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}, **extra}
     if draft is not None:
         config["drafter"] = {"kind": "dflash", "path": str(draft)}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 @pytest.fixture(scope="module")

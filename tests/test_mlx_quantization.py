@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import speculant
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.drafters import quantization
 
 PROMPTS = ([5], [5, 6, 7], list(range(20, 52)))
@@ -44,7 +44,7 @@ def outputs(engine, **kw):
 @pytest.fixture(scope="module")
 def mlx_plain(pair128):
     pytest.importorskip("mlx_lm")
-    return [r.token_ids for r in outputs(speculant.Engine.from_config(config("mlx", pair128["target"])))]
+    return [r.token_ids for r in outputs(speculant.load_engine(config("mlx", pair128["target"])))]
 
 
 @pytest.mark.mlx
@@ -54,7 +54,7 @@ def test_quantized_draft_is_lossless_on_mlx(pair128, mlx_plain, bits, group_size
     import mlx.nn as nn
 
     spec = f"w{bits}a32:gs{group_size}"
-    engine = speculant.Engine.from_config(config("mlx", pair128["target"], pair128["draft"], spec, block=5))
+    engine = speculant.load_engine(config("mlx", pair128["target"], pair128["draft"], spec, block=5))
     quantized = [m for _, m in engine.drafter.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     assert len(quantized) == 1 + 7 * 2  # fc + 7 linears per layer
     assert {(m.bits, m.group_size) for m in quantized} == {(bits, group_size)}
@@ -68,7 +68,7 @@ def test_quantized_draft_is_lossless_on_mlx(pair128, mlx_plain, bits, group_size
 def test_sixteen_bit_activations_on_mlx(pair128, mlx_plain):
     import mlx.core as mx
 
-    engine = speculant.Engine.from_config(config("mlx", pair128["target"], pair128["draft"], "w4a16:gs64", block=4))
+    engine = speculant.load_engine(config("mlx", pair128["target"], pair128["draft"], "w4a16:gs64", block=4))
     assert engine.drafter.dtype == mx.bfloat16
     assert engine.drafter.model.norm.weight.dtype == mx.bfloat16
     assert outputs(engine, block_size=4)[1].token_ids == mlx_plain[1]
@@ -83,9 +83,9 @@ def test_quantized_mlx_target_folder(pair128):
     folder = pair128["root"] / "target_q4"
     if not folder.exists():
         convert(str(pair128["target"]), str(folder), quantize=True, q_group_size=64, q_bits=4)
-    spec = speculant.Engine.from_config(config("mlx", folder, pair128["draft"], block=4))
+    spec = speculant.load_engine(config("mlx", folder, pair128["draft"], block=4))
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in spec.target.model.named_modules())
-    plain = speculant.Engine.from_config(config("mlx", folder))
+    plain = speculant.load_engine(config("mlx", folder))
     kw = dict(prompt_ids=[5, 6, 7], max_new_tokens=32, ignore_eos=True)
     assert spec.run(block_size=4, **kw).token_ids == plain.run(**kw).token_ids
     wide = validate(config("mlx", folder, pair128["draft"]))  # trained block 16
@@ -127,8 +127,8 @@ def test_default_exclusions_keep_codebooks_and_conv_kernels():
 @pytest.mark.parametrize("spec", ["w8a32:gs64", "w4a32:gs32", "w4a16:gs128"])
 def test_quantized_draft_is_lossless_on_torch(pair128, spec):
     pytest.importorskip("torchao")
-    plain = [r.token_ids for r in outputs(speculant.Engine.from_config(config("torch", pair128["target"])))[:2]]
-    engine = speculant.Engine.from_config(config("torch", pair128["target"], pair128["draft"], spec, block=5))
+    plain = [r.token_ids for r in outputs(speculant.load_engine(config("torch", pair128["target"])))[:2]]
+    engine = speculant.load_engine(config("torch", pair128["target"], pair128["draft"], spec, block=5))
     weight = engine.drafter.model.layers[0].mlp.down_proj.weight
     assert "Intx" in type(weight).__name__  # torchao's quantized weight tensor
     assert [r.token_ids for r in outputs(engine, block_size=5)[:2]] == plain

@@ -33,7 +33,7 @@ CASES = [  # (draft, prompt, block size, max new tokens)
 def engines(planted_pair):
     out = {}
     for name in ("draft", "draft_swa"):
-        out[name] = speculant.Engine.from_config({
+        out[name] = speculant.load_engine({
             "backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
             "target": {"path": str(planted_pair["target"])},
             "drafter": {"kind": "dflash", "path": str(planted_pair[name])},

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.testing.tiny_mtp import build_tiny_mtp, canonical_mtp, copy_target, mtp_tensors, write_mtp
 
 pytest.importorskip("torch")
@@ -47,7 +47,7 @@ def test_both_layouts_validate_and_load(base, tmp_path, layout, where):
     assert info.extra["config"].layout == layout and info.extra["config"].num_layers == 2
     assert info.final_hidden == "post_norm"
     assert info.extra["config"].recycle_hidden == ("post_norm" if layout == "qwen" else "pre_norm")
-    engine = speculant.Engine.from_config(config(target, folder))
+    engine = speculant.load_engine(config(target, folder))
     assert engine.drafter.cfg.norm_offset == (1.0 if layout == "qwen" else 0.0)
     result = engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True)
     assert len(result.token_ids) == 6

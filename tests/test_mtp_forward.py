@@ -29,7 +29,7 @@ def make_engine(target, folder=None, **options):
     drafter = {"kind": "mtp", "options": options}
     if folder is not None:
         drafter["path"] = str(folder)
-    return speculant.Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+    return speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                          "target": {"path": str(target)}, "drafter": drafter})
 
 

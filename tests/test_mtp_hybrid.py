@@ -20,7 +20,7 @@ import pytest
 
 import speculant
 from speculant.core.types import Capture, DraftRequest, SamplingParams
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.testing.tiny_mtp import build_bigram_target, build_family_mtp, target_config
 
 torch = pytest.importorskip("torch")
@@ -38,7 +38,7 @@ def config(kind, target, drafter=True, **options):
 
 
 def engine(kind, target, drafter=True, **options):
-    return speculant.Engine.from_config(config(kind, target, drafter, **options))
+    return speculant.load_engine(config(kind, target, drafter, **options))
 
 
 class Pairs:

@@ -17,7 +17,7 @@ def engine(target, drafter=True, **options):
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)}}
     if drafter:
         config["drafter"] = {"kind": "mtp", "options": options}
-    return speculant.Engine.from_config(config)
+    return speculant.load_engine(config)
 
 
 _LOADED: dict = {}

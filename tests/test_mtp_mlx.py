@@ -14,7 +14,7 @@ import pytest
 
 import speculant
 from speculant.core.types import DraftRequest, SamplingParams
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.testing.tiny_mtp import bigram_mtp, build_bigram_target, canonical_mtp, mtp_tensors, write_mtp
 
 pytest.importorskip("mlx.core")
@@ -30,9 +30,9 @@ def config(kind, target, folder, **options):
 
 def engine(kind, target, folder=None, **options):
     if folder is None:
-        return speculant.Engine.from_config({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
+        return speculant.load_engine({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
                                              "target": {"path": str(target)}})
-    return speculant.Engine.from_config(config(kind, target, folder, **options))
+    return speculant.load_engine(config(kind, target, folder, **options))
 
 
 @pytest.fixture(scope="module")

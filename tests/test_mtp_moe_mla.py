@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import speculant
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.testing.tiny_mtp import (
     build_bigram_target,
     build_family_mtp,
@@ -214,7 +214,7 @@ def run(kind, target, folder, cycle, drafter=True):
     cfg = config(kind, target, folder)
     if not drafter:
         del cfg["drafter"]
-    result = speculant.Engine.from_config(cfg).run(prompt_ids=cycle[:5] + PROMPT_TAIL, max_new_tokens=24, ignore_eos=True)
+    result = speculant.load_engine(cfg).run(prompt_ids=cycle[:5] + PROMPT_TAIL, max_new_tokens=24, ignore_eos=True)
     return result.token_ids, result.stats.acceptance_lengths
 
 

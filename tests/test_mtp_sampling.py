@@ -35,7 +35,7 @@ def setup(tmp_path_factory, torch_threads):
     prompt = cycle[:4]
     engines = {}
     for name, options in (("one_hot", {}), ("dense", {"sample_drafts": True})):
-        engines[name] = speculant.Engine.from_config({
+        engines[name] = speculant.load_engine({
             "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)},
             "drafter": {"kind": "mtp", "block_size": 2, "options": options},
             "sampling": {"temperature": SAMPLING.temperature, "top_p": SAMPLING.top_p}})
@@ -44,7 +44,7 @@ def setup(tmp_path_factory, torch_threads):
 
 def expected_cells(engine, prompt) -> dict:
     """Cell -> probability under plain sampling (exact, from the target's processed rows)."""
-    from speculant.verifiers.processing import target_probs
+    from speculant.core.sampling import target_probs
 
     ops, target = engine.backend.ops, engine.target
 

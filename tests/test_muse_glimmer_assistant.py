@@ -106,7 +106,7 @@ def plain_greedy(target, prompt):
                                                ("last_layer", "longer_than_windows")])
 def test_greedy_equals_native_dflash_and_plain(pair, hf_target, assistant, prompt, monkeypatch):
     ids = PROMPTS[prompt]
-    engine = speculant.Engine.from_config(config_for(pair["target"], pair[assistant]))
+    engine = speculant.load_engine(config_for(pair["target"], pair[assistant]))
     result, drafts = run_recording_proposals(engine, prompt_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     native, native_drafts, native_gains = native_dflash(hf_target, hf_assistant(pair[assistant]), ids, monkeypatch)
     assert len(native) == NEW_TOKENS

@@ -101,7 +101,7 @@ def test_asking_for_a_broken_plugins_drafter_names_the_failure(installed, tiny_t
     with pytest.raises(ValidationFailed) as err:
         import speculant
 
-        speculant.Engine.from_config(config, registry=Registry().load())
+        speculant.load_engine(config, registry=Registry().load())
     text = str(err.value)
     assert "no drafter named 'broken'" in text
     assert "speculant-broken-plugin 0.1 (RuntimeError" in text
@@ -269,8 +269,8 @@ def test_toy_drafter_reproduces_plain_greedy_output(installed, tiny_target):
     import speculant
 
     registry = Registry().load()
-    plain = speculant.Engine.from_config(toy_config(tiny_target, kind="none"), registry=registry)
-    toy = speculant.Engine.from_config(toy_config(tiny_target, block_size=7), registry=registry)
+    plain = speculant.load_engine(toy_config(tiny_target, kind="none"), registry=registry)
+    toy = speculant.load_engine(toy_config(tiny_target, block_size=7), registry=registry)
     accepted = []
     for prompt in ([5], [5, 6, 7, 5, 6], list(range(20, 40))):
         expected = plain.run(prompt_ids=prompt, max_new_tokens=40, ignore_eos=True)
@@ -293,14 +293,14 @@ def test_toy_drafter_from_a_config_file(installed, tiny_target, tmp_path):
         '[drafter]\nkind = "toy"\nblock_size = 5\n\n[drafter.options]\nngram_max = 2\n\n[generation]\nmax_new_tokens = 24\nignore_eos = true\n'
     )
     registry = Registry().load()
-    engine = speculant.Engine.from_config(tmp_path / "engine.toml", registry=registry)
+    engine = speculant.load_engine(tmp_path / "engine.toml", registry=registry)
     assert engine.drafter.options.ngram_max == 2 and engine.block_size == 5
-    plain = speculant.Engine.from_config(toy_config(tiny_target, kind="none"), registry=registry)
+    plain = speculant.load_engine(toy_config(tiny_target, kind="none"), registry=registry)
     assert engine.run("def add(a, b):").token_ids == plain.run("def add(a, b):", max_new_tokens=24, ignore_eos=True).token_ids
 
 
 def test_toy_drafter_options_are_validated(installed, tiny_target):
-    from speculant.core.validator import validate
+    from speculant.api import validate
 
     report = validate(toy_config(tiny_target, options={"ngram": 2}), Registry().load())
     assert [p.field for p in report.errors] == ["drafter.options"] and "ngram" in report.errors[0].message
@@ -312,7 +312,7 @@ def test_cli_generate_with_the_toy_drafter(plugin_site, tiny_target):
     toy = run_cli(plugin_site, "generate", "--target", str(tiny_target), "--device", "cpu", "--dtype", "float32",
                   "--max-new-tokens", "24", "--json", "--drafter", "toy", "--block-size", "4", "def add(a, b):")
     assert toy.returncode == 0, toy.stderr
-    plain = speculant.Engine.from_config(toy_config(tiny_target, kind="none")).run("def add(a, b):", max_new_tokens=24)
+    plain = speculant.load_engine(toy_config(tiny_target, kind="none")).run("def add(a, b):", max_new_tokens=24)
     assert toy.stdout == plain.text and toy.stdout
     stats = json.loads(toy.stderr.strip().splitlines()[-1])
     assert stats["verify_steps"] == len(stats["acceptance_lengths"]) > 0

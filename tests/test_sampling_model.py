@@ -24,7 +24,7 @@ POWERFUL = 4.0
 
 @pytest.fixture(scope="module")
 def engine(planted_pair):
-    return speculant.Engine.from_config({
+    return speculant.load_engine({
         "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
         "target": {"path": str(planted_pair["target"])},
         "drafter": {"kind": "dflash", "path": str(planted_pair["draft"])},

@@ -30,7 +30,8 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, torch_threads):
-    from speculant import Engine, embedded
+    from speculant import embedded
+    from speculant.api import load_engine
 
     target = tmp_path_factory.mktemp("serve") / "target"
     shutil.copytree(embedded.PAIR_DIR / "target", target)
@@ -40,7 +41,7 @@ def engine(tmp_path_factory, torch_threads):
     config_file.write_text(json.dumps(config))
     config = embedded.engine_config(backend="torch")
     config["target"]["path"] = str(target)
-    return Engine.from_config(config)
+    return load_engine(config)
 
 
 @pytest.fixture(scope="module")
@@ -271,10 +272,10 @@ def test_disconnect_mid_stream_cancels_generation_and_the_next_request_runs(engi
 def test_non_finite_logits_end_the_request_with_an_error_event(tmp_path, tiny_target):
     from safetensors.torch import load_file, save_file
 
-    from speculant import Engine
+    from speculant.api import load_engine
 
     def make(path):
-        return Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+        return load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                    "target": {"path": str(path)}})
 
     target = tmp_path / "target"

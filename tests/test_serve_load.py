@@ -22,9 +22,10 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Point:\n", "for i in range
 
 @pytest.fixture(scope="module")
 def engine(torch_threads):
-    from speculant import Engine, embedded
+    from speculant import embedded
+    from speculant.api import load_engine
 
-    return Engine.from_config(embedded.engine_config(backend="torch"))
+    return load_engine(embedded.engine_config(backend="torch"))
 
 
 def ask(client, prompt: str, stream: bool) -> str:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from speculant.core.validator import layer_types, read_target_info, validate
+from speculant.api import validate
+from speculant.core.validator import layer_types, read_target_info
 from speculant.plugins import Registry
 
 F, S, L = "full_attention", "sliding_attention", "linear_attention"

@@ -76,7 +76,7 @@ def test_target_loss_decreases_and_loads(trained_target):
     info = json.loads((trained_target / "training.json").read_text())
     assert info["train_tokens_seen"] > 0
     AutoModelForCausalLM.from_pretrained(str(trained_target))  # transformers loads it unchanged
-    engine = speculant.Engine.from_config({"target": {"path": str(trained_target)}})
+    engine = speculant.load_engine({"target": {"path": str(trained_target)}})
     text = engine.run("def add(", max_new_tokens=8, ignore_eos=True).text
     assert isinstance(text, str) and engine.last_stats.new_tokens == 8
 
@@ -242,7 +242,7 @@ def test_a_sliding_window_reaches_the_config_and_training_sees_what_inference_se
     assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 6
     assert config["is_causal"] is False  # the block stays bidirectional, as without a window
 
-    engine = speculant.Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+    engine = speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                            "target": {"path": str(trained_target)},
                                            "drafter": {"kind": "dflash", "path": str(draft)}})
     drafter, cfg = engine.drafter, engine.drafter.cfg
@@ -258,7 +258,7 @@ def test_a_sliding_window_reaches_the_config_and_training_sees_what_inference_se
     engine.target.reset()
     out = engine.target.prefill(tokens[:anchor].tolist(), drafter.info.capture)
     drafter.prefill(tokens[:anchor].tolist(), out, int(tokens[anchor]))
-    inferred = drafter._hidden(DraftRequest(int(tokens[anchor]), anchor, 3))
+    inferred = drafter.hidden(DraftRequest(int(tokens[anchor]), anchor, 3))
     assert torch.allclose(trained, inferred, atol=1e-5)
     assert not torch.allclose(everything, inferred, atol=1e-3)  # the window matters here: the check can fail
 
@@ -285,7 +285,7 @@ def test_drafts_train_for_a_composite_hybrid_target(tmp_path, kind):
         draft = train_dflash2(target, sequences, 8, tmp_path / "draft", shape, settings, batch=2)
     config = json.loads((draft / "config.json").read_text())
     assert config["num_target_layers"] == 4 and config["hidden_size"] == 64
-    spec = speculant.Engine.from_config({"target": {"path": str(target)}, "drafter": {"kind": kind, "path": str(draft)}})
+    spec = speculant.load_engine({"target": {"path": str(target)}, "drafter": {"kind": kind, "path": str(draft)}})
     plain = spec.without_drafter()
     prompt = sequences[0, :8].tolist()
     result = spec.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True)

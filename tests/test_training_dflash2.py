@@ -46,7 +46,7 @@ def test_untrained_dflash2_proposes_what_dflash_does(trained_target, sequences, 
               str(v1 / "model.safetensors"), metadata={"format": "pt"})
     runs = {}
     for kind, folder in (("dflash", v1), ("dflash2", tmp_path / "v2")):
-        engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+        engine = speculant.load_engine({"target": {"path": str(trained_target)},
                                                "drafter": {"kind": kind, "path": str(folder)}})
         runs[kind] = [engine.run(prompt_ids=sequences[r, :8].tolist(), max_new_tokens=24, ignore_eos=True).stats.acceptance_lengths
                       for r in range(3)]
@@ -158,7 +158,7 @@ def test_cli_dflash2(trained_target, tmp_path):
     made_by = info["sequences_made_by"]
     assert info["sequences_file"] == "sequences.npy" and made_by.startswith("4 windows of 8 corpus tokens (seed 0)")
     assert made_by.endswith("3 at a time)") and np.load(out / "sequences.npy").shape == (4, 24)  # two batches: 3 + 1
-    engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+    engine = speculant.load_engine({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "dflash2", "path": str(out)}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6
     # a later run on the cached sequences with another training seed keeps their provenance
@@ -202,7 +202,7 @@ def test_warm_start_from_dflash_drafts_exactly_as_that_dflash(trained_target, se
     mod.save_dflash2(model, tmp_path / "dflash2")
     runs = []
     for kind, path in (("dflash", source), ("dflash2", tmp_path / "dflash2")):
-        engine = speculant.Engine.from_config({"target": {"path": str(trained_target)}, "drafter": {"kind": kind, "path": str(path)}})
+        engine = speculant.load_engine({"target": {"path": str(trained_target)}, "drafter": {"kind": kind, "path": str(path)}})
         result = engine.run(prompt_ids=sequences[0, :8].tolist(), max_new_tokens=32, ignore_eos=True)
         runs.append((result.token_ids, result.stats.acceptance_lengths))
     assert runs[0] == runs[1]

@@ -140,7 +140,7 @@ def test_cli_trains_resumably(trained_target, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5, msg=name)
-    engine = speculant.Engine.from_config({"target": {"path": str(trained_target)},
+    engine = speculant.load_engine({"target": {"path": str(trained_target)},
                                            "drafter": {"kind": "mtp", "path": str(tmp_path / "full")}})
     assert engine.run(prompt_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True).stats.new_tokens == 6
 
@@ -176,5 +176,5 @@ def test_two_process_data_parallel_mtp(trained_target, sequences, tmp_path):
     sums = [(tmp_path / f"out.rank{rank}").read_text() for rank in (0, 1)]
     assert sums[0] == sums[1]
     assert json.loads((tmp_path / "out" / "checkpoint" / "state.json").read_text())["step"] == 3
-    speculant.Engine.from_config({"target": {"path": str(trained_target)},
+    speculant.load_engine({"target": {"path": str(trained_target)},
                                   "drafter": {"kind": "mtp", "path": str(tmp_path / "out")}})

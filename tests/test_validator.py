@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from speculant.core.interfaces import Backend, DrafterFactory, Verifier
 from speculant.core.types import DrafterInfo, ProposalKind
 from speculant.core.problems import Problem
-from speculant.core.validator import validate
+from speculant.api import validate
 from speculant.plugins import Registry, hookimpl
 
 VOCAB, HIDDEN, LAYERS = 320, 64, 4

@@ -16,7 +16,7 @@ from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.types import Draft, SamplingParams
 from speculant.verifiers import acceptance
 from speculant.verifiers.greedy import GreedyVerifier
-from speculant.verifiers.processing import inverse_cdf, sample_token, target_probs
+from speculant.core.sampling import inverse_cdf, sample_token, target_probs
 from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
 GREEDY = SamplingParams()

@@ -16,8 +16,8 @@ TEXTS = [
 def lossless_acceptance(target, kind: str, draft, sequences: np.ndarray, rows: int = 4) -> float:
     """Mean acceptance length of ``draft`` over the first ``rows`` sequences' 8-token prompts,
     asserting on the way that every output equals plain greedy decoding."""
-    spec = speculant.Engine.from_config({"target": {"path": str(target)}, "drafter": {"kind": kind, "path": str(draft)}})
-    plain = speculant.Engine.from_config({"target": {"path": str(target)}})
+    spec = speculant.load_engine({"target": {"path": str(target)}, "drafter": {"kind": kind, "path": str(draft)}})
+    plain = speculant.load_engine({"target": {"path": str(target)}})
     taus = []
     for row in range(rows):
         prompt = sequences[row, :8].tolist()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speculant.api import plugin_registry
 from speculant.bench.config import BenchConfig
 from speculant.bench.runner import BenchInterrupted, run_bench
 from speculant.core.errors import ConfigError
@@ -126,7 +127,6 @@ def default_pair(say=print) -> tuple[Path, Path | dict[str, Path]]:
     folder per drafter kind). Where an install lacks it, a tiny random Qwen3 target and DFlash
     draft with a planted shared bias, built once under $XDG_CACHE_HOME/speculant; their numbers
     exercise the pipeline, not a real model."""
-    import importlib
 
     from speculant import embedded
 
@@ -139,7 +139,8 @@ def default_pair(say=print) -> tuple[Path, Path | dict[str, Path]]:
         f"using a tiny random planted test pair at {cache}. Its numbers exercise the benchmark, "
         "they say nothing about real models.")
     if not marker.is_file():
-        tiny = importlib.import_module("speculant.testing.tiny")  # by name: needs torch + transformers
+        from speculant.testing import tiny  # needs torch + transformers: only here
+
         tiny.build_tiny_target(target, seed=0, planted=8.0)
         tiny.build_tiny_dflash(draft, target, seed=7, block_size=16)
         marker.write_text("ok\n")
@@ -151,11 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(text, file=sys.stderr)
 
     config = build_config(args, say)
-    registry = None
-    if getattr(args, "plugin", None):
-        from speculant.plugins.manager import Registry
-
-        registry = Registry().load(extra_modules=tuple(args.plugin))
+    registry = plugin_registry(getattr(args, "plugin", None) or ())
     try:
         summary = run_bench(config, registry=registry, progress=not args.no_progress, fresh=args.fresh,
                             stop_after_runs=args.stop_after_runs)

@@ -7,15 +7,13 @@ target weights. Only the current target and drafter stay loaded: cells arrive gr
 
 from __future__ import annotations
 
-import gc
-import importlib
 from typing import Any
 
 from speculant.bench.matrix import Cell
 from speculant.core.config import EngineConfig
-from speculant.core.engine import Engine, _make_verifier
+from speculant.api import LoadedParts, assemble, validate
+from speculant.core.engine import Engine
 from speculant.core.problems import Problem, Report
-from speculant.core.validator import validate
 
 
 class CellSkipped(Exception):
@@ -44,12 +42,12 @@ def engine_config(cell: Cell, speculative: bool) -> EngineConfig:
 
 
 class EnginePool:
+    """The engines of each cell, assembled by the composition root over parts it keeps loaded."""
+
     def __init__(self, registry: Any, threads: int | None = None) -> None:
         self.registry = registry
         self.threads = threads
-        self._backends: dict[str, Any] = {}
-        self._target: tuple[tuple, Any] | None = None
-        self._drafter: tuple[tuple, Any] | None = None
+        self.parts = LoadedParts(registry)
         self.devices: dict[str, str] = {}
 
     def check(self, cell: Cell) -> Report:
@@ -62,43 +60,17 @@ class EnginePool:
     def engines(self, cell: Cell) -> tuple[Engine, Engine | None]:
         """(plain engine, speculative engine or None for a plain cell)."""
         report = self.check(cell)
-        backend = self._backend(cell)
-        target = self._load_target(cell, backend, report)
-        plain_cfg = engine_config(cell, speculative=False)
-        plain = Engine(plain_cfg, backend, target, _make_verifier(plain_cfg, self.registry), None, report)
+        plain = assemble(engine_config(cell, speculative=False), report, self.registry, self.parts)
+        self._note_backend(cell, plain.backend)
         if cell.is_plain:
             return plain, None
-        spec_cfg = engine_config(cell, speculative=True)
-        drafter = self._load_drafter(cell, spec_cfg, backend, target, report)
-        return plain, Engine(spec_cfg, backend, target, _make_verifier(spec_cfg, self.registry), drafter, report)
+        return plain, assemble(engine_config(cell, speculative=True), report, self.registry, self.parts)
 
-    def _backend(self, cell: Cell):
-        key = cell.backend.model_dump_json()
-        if key not in self._backends:
-            cfg = engine_config(cell, speculative=False).backend
-            backend = self.registry.backends[cfg.kind](cfg)
-            if self.threads and cfg.kind == "torch":
-                # by name: the bench package keeps no import of an array library (see the CLI contract)
-                importlib.import_module("torch").set_num_threads(self.threads)
-            self._backends[key] = backend
-            self.devices[cell.backend.label] = backend.device
-        return self._backends[key]
+    def _note_backend(self, cell: Cell, backend) -> None:
+        if cell.backend.label in self.devices:
+            return
+        if self.threads and backend.name == "torch":
+            import torch
 
-    def _load_target(self, cell: Cell, backend, report: Report):
-        key = (cell.backend.model_dump_json(), cell.target)
-        if self._target is None or self._target[0] != key:
-            self._drafter = None
-            self._target = None
-            gc.collect()
-            self._target = (key, backend.load_target(cell.target, report.target))
-        return self._target[1]
-
-    def _load_drafter(self, cell: Cell, config: EngineConfig, backend, target, report: Report):
-        key = (cell.backend.model_dump_json(), cell.target, cell.drafter, cell.draft_path, cell.quantization,
-               repr(sorted(cell.drafter_options.items())))
-        if self._drafter is None or self._drafter[0] != key:
-            self._drafter = None
-            gc.collect()
-            factory = self.registry.drafters[cell.drafter]
-            self._drafter = (key, factory.load(config.drafter, report.drafter, backend, target))
-        return self._drafter[1]
+            torch.set_num_threads(self.threads)
+        self.devices[cell.backend.label] = backend.device

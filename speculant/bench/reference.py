@@ -85,7 +85,8 @@ def transformers_status(draft_path: str | None) -> tuple[bool, str]:
     import importlib.metadata as md
 
     version = md.version("transformers")
-    transformers = importlib.import_module("transformers")  # by name: no static array-library import
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES as names
     if not hasattr(transformers.GenerationConfig(), "speculation_type"):
         return False, f"transformers {version} has no speculation_type in generate()"
     if draft_path is None:
@@ -94,7 +95,6 @@ def transformers_status(draft_path: str | None) -> tuple[bool, str]:
         raw = json.loads((Path(draft_path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         return False, f"cannot read the draft config: {exc}"
-    names = importlib.import_module("transformers.models.auto.modeling_auto").MODEL_MAPPING_NAMES
     model_type = raw.get("model_type")
     cls_name = names.get(model_type)
     cls = getattr(transformers, cls_name, None) if cls_name else None

@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
+from speculant.api import plugin_registry
 from speculant.bench import conditions as C
 from speculant.bench.config import BenchConfig, WorkloadSpec
 from speculant.bench.engines import CellSkipped, EnginePool
@@ -226,9 +227,7 @@ def run_bench(config: BenchConfig | dict | str | Path, *, registry: Any = None, 
     config = BenchConfig.load(config)
     openmp_note = quiet_openmp(config)
     if registry is None:
-        from speculant.plugins.manager import get_registry
-
-        registry = get_registry()
+        registry = plugin_registry()
     folder = OutputFolder(config.out)
     if fresh:
         folder.clear()

@@ -125,6 +125,12 @@ class VerifierConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """The verifier's own options (`verifier.options` below); unknown keys are errors."""
 
+    @property
+    def resolved_kind(self) -> str:
+        """The registered verifier this ``kind`` names: ``auto`` is speculative_sampling (the exact
+        greedy rule at temperature 0, the sampling rule otherwise)."""
+        return "speculative_sampling" if self.kind == "auto" else self.kind
+
 
 class SamplingConfig(_Section):
     """How the target's next token is chosen; speculation keeps this distribution exactly."""

@@ -6,20 +6,18 @@ import operator
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
-from speculant.core.errors import ContextTooLongError, EngineBusyError, GenerationError, SettingError, ValidationFailed
+from speculant.core.errors import ContextTooLongError, EngineBusyError, GenerationError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
-from speculant.core.lookup import DEFAULT_BLOCK_SIZE as LOOKUP_BLOCK_SIZE, PromptLookup
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
-from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, SamplingParams
+from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
 from speculant.core.problems import Report
-from speculant.core.validator import sampling_problems, validate
+from speculant.core.validator import sampling_problems
 
 
 @dataclass
@@ -56,7 +54,6 @@ class Engine:
         self.report = report
         self.last_stats: GenerationStats | None = None
         self.last_token_ids: list[int] = []
-        self.registry: Any = None
         # Time target and draft calls exactly (stats.target_s / draft_s): a backend sync after
         # each, so the drafter's work and the target's graph building no longer overlap. Off by
         # default; verifiers whose policy needs the seconds (``needs_timings``) force it on.
@@ -65,45 +62,23 @@ class Engine:
         self._busy = threading.Lock()
 
     # -- construction ----------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, source: EngineConfig | dict | str | Path, registry: Any = None) -> "Engine":
-        """Validate the pairing (no weights yet), then load target and drafter."""
-        if registry is None:
-            from importlib import import_module
-
-            registry = import_module("speculant.plugins.manager").get_registry()
-        config = EngineConfig.load(source)
-        report = validate(config, registry)
-        if not report.ok:
-            raise ValidationFailed(report.errors)
-        backend = registry.backends[config.backend.kind](config.backend)
-        target = backend.load_target(str(config.target.path), report.target)
-        drafter = None
-        if config.drafter.enabled:
-            factory = registry.drafters[config.drafter.kind]
-            drafter = factory.load(config.drafter, report.drafter, backend, target)
-        verifier = _make_verifier(config, registry)
-        engine = cls(config, backend, target, verifier, drafter, report)
-        engine.registry = registry
-        return engine
-
     def without_drafter(self) -> "Engine":
         """Plain decoding over the same loaded target and settings (side-by-side comparisons)."""
         config = EngineConfig.load({**self.config.model_dump(), "drafter": {"kind": "none"}})
-        engine = type(self)(config, self.backend, self.target, _make_verifier(config, self.registry), None, self.report)
-        engine.registry = self.registry
+        engine = type(self)(config, self.backend, self.target, type(self.verifier)(config.verifier.options), None,
+                            self.report)
         engine._busy = self._busy
         return engine
 
     @property
     def speculative(self) -> bool:
-        """True when cycles may verify proposals: a drafter, prompt lookup, or both."""
-        return self.drafter is not None or self.config.drafter.lookup.enabled
+        """True when cycles may verify proposals (a drafter, prompt lookup, or both)."""
+        return self.drafter is not None
 
     @property
     def block_size(self) -> int:
         if self.drafter is None:
-            return (self.config.drafter.block_size or LOOKUP_BLOCK_SIZE) if self.speculative else 1
+            return 1
         info = self.drafter.info
         return self.config.drafter.block_size or info.default_block_size or info.trained_block_size or 2
 
@@ -119,8 +94,9 @@ class Engine:
         prompt_ids: Sequence[int] | None = None,
         max_new_tokens: int | None = None,
         **overrides: Any,
-    ) -> Iterator[Chunk]:
-        """Stream chunks of new text and token ids; stats land in ``last_stats``.
+    ) -> "Generation":
+        """Stream chunks of new text and token ids; the last carries the finish reason and stats
+        (also on the returned :class:`Generation` once it ends, and in ``last_stats``).
 
         ``overrides`` may set any ``sampling`` or ``generation`` field for this call
         (``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``stop_strings``,
@@ -141,9 +117,9 @@ class Engine:
 
     def run(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
         """Generate to completion and return text, token ids and stats."""
-        chunks = list(self.generate(prompt, **kwargs))
-        text = "".join(c.text for c in chunks)
-        return GenerationResult(text, list(self.last_token_ids), self.last_stats)
+        generation = self.generate(prompt, **kwargs)
+        text = "".join(c.text for c in generation)
+        return GenerationResult(text, generation.token_ids, generation.stats)
 
     # -- internals -------------------------------------------------------------------------
     def _check_idle(self) -> None:
@@ -214,38 +190,74 @@ class Engine:
                 ids.add(eos)
         return ids
 
-    def _stream(self, prompt_ids, sampling_cfg, generation, block) -> Iterator[Chunk]:
+    def _stream(self, prompt_ids, sampling_cfg, generation, block) -> "Generation":
+        record = _Record()
+        return Generation(self._locked_stream(prompt_ids, sampling_cfg, generation, block, record), record)
+
+    def _locked_stream(self, prompt_ids, sampling_cfg, generation, block, record: "_Record") -> Iterator[Chunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError(_BUSY)
+        loop = None
         try:
-            yield from self._locked_stream(prompt_ids, sampling_cfg, generation, block)
+            loop = _Loop(self, prompt_ids, sampling_cfg, generation, block)
+            decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
+            tail = ""
+            try:
+                for new_ids in loop.cycles():
+                    text, hit = decoder.feed(new_ids)
+                    if hit is not None:  # a stop string ended inside the text just produced
+                        loop.stop("stop_string")
+                        kept = decoder.token_count_for_stop()
+                        loop.truncate(kept)
+                        trimmed = new_ids[: max(0, len(new_ids) - (decoder.total_tokens - kept))]
+                        yield Chunk(text, trimmed)
+                        break
+                    if text or new_ids:
+                        yield Chunk(text, list(new_ids))
+                tail = decoder.flush()
+            except KeyboardInterrupt:  # while decoding text: the same end as inside a cycle
+                loop.stop("interrupted")
         finally:
+            if loop is not None:
+                loop.finish()
+                record.stats = self.last_stats = loop.stats
+                record.token_ids = self.last_token_ids = loop.produced
             self._busy.release()
+        yield Chunk(tail, [], loop.stats.stop_reason, loop.stats)
 
-    def _locked_stream(self, prompt_ids, sampling_cfg, generation, block) -> Iterator[Chunk]:
-        loop = _Loop(self, prompt_ids, sampling_cfg, generation, block)
-        decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
-        try:
-            for new_ids in loop.cycles():
-                text, hit = decoder.feed(new_ids)
-                if hit is not None:  # a stop string ended inside the text just produced
-                    loop.stop("stop_string")
-                    kept = decoder.token_count_for_stop()
-                    loop.truncate(kept)
-                    trimmed = new_ids[: max(0, len(new_ids) - (decoder.total_tokens - kept))]
-                    yield Chunk(text, trimmed)
-                    break
-                if text or new_ids:
-                    yield Chunk(text, list(new_ids))
-            tail = decoder.flush()
-            if tail:
-                yield Chunk(tail, [])
-        except KeyboardInterrupt:  # while decoding text: the same end as inside a cycle
-            loop.stop("interrupted")
-        finally:
-            loop.finish()
-            self.last_stats = loop.stats
-            self.last_token_ids = loop.produced
+
+class _Record:
+    """One request's outcome, filled in when it ends (shared by its Generation and its stream)."""
+
+    stats: GenerationStats | None = None
+    token_ids: list[int] = []
+
+
+class Generation(Iterator[Chunk]):
+    """The chunks of one request, as :meth:`Engine.generate` returns them.
+
+    Iterate it for text as it is produced; the last chunk carries the finish reason and the stats.
+    ``stats`` and ``token_ids`` hold this request's own record once it has ended, closed early
+    (``close()``: the engine is freed and what was produced is kept) or failed.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], record: _Record) -> None:
+        self._chunks = chunks
+        self._record = record
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
+
+    @property
+    def stats(self) -> GenerationStats | None:
+        return self._record.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._record.token_ids)
 
 
 class _Loop:
@@ -273,8 +285,6 @@ class _Loop:
         self.stats.phases_timed = self.timed
         within = limit is None or len(prompt_ids) < limit
         self.speculating = engine.drafter is not None and within
-        lookup = engine.config.drafter.lookup
-        self.lookup = PromptLookup(lookup.min_match, lookup.max_match, prompt_ids) if lookup.enabled and within else None
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
@@ -302,6 +312,10 @@ class _Loop:
             new = self._emit(first)
             yield new
             position = len(self.prompt_ids)
+            steps = self._greedy_steps(first[-1]) if self._stop_reason is None else None
+            if steps is not None:
+                yield from self._plain_greedy(steps, position)
+                return
             while self._stop_reason is None:
                 new = self._cycle(position, new[-1] if new else self.produced[-1])
                 position += len(new)
@@ -313,6 +327,27 @@ class _Loop:
             exc.token_ids = list(self.produced)
             raise
 
+    def _greedy_steps(self, anchor: int):
+        """The target's pipelined greedy path, for plain greedy requests that time nothing."""
+        if self.e.drafter is not None or not self.sampling.is_greedy or self.timed:
+            return None
+        return self.e.target.greedy_steps(anchor)
+
+    def _plain_greedy(self, steps, position: int) -> Iterator[list[int]]:
+        e = self.e
+        try:
+            for token in steps:
+                e.verifier.observe(Verification(0, [token]), 0, CycleTiming(position, 0, 0, 0.0))
+                new = self._emit([token])
+                self.stats.record_cycle(0, 0, len(new))
+                position += len(new)
+                yield new
+                if self._stop_reason is not None:
+                    break
+        finally:
+            steps.close()
+            e.target.crop(position)
+
     @property
     def capture(self) -> Capture:
         return self.e.drafter.info.capture if self.speculating else Capture()
@@ -321,24 +356,11 @@ class _Loop:
         e = self.e
         if self.limit is not None and position >= self.limit:
             self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
-            self.lookup = None
-        remaining = self.max_new - len(self.produced)
-        k = min(self.block - 1, remaining - 1)
-        if self.window is not None:
-            k = min(k, self.window - position - 1)
-        draft: Draft | None = None
-        draft_s = commit_s = 0.0
-        copied = self.lookup.propose(k) if self.lookup is not None and k > 0 else None
-        if copied is not None:
-            draft = Draft(e.backend.int_array(copied), k)
-        elif self.speculating and k > 0 and e.verifier.wants_draft(k, position):
-            request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
-            draft, draft_s = self._timed(lambda: e.drafter.propose(request), "draft_s")
+        k = self._room(position)
+        draft, draft_s = self._draft(anchor, position, k) if self.speculating and k > 0 else (None, 0.0)
         drafted = 0 if draft is None else draft.num_tokens
-        if copied is not None:
-            n = k  # verified whole, outside the verifier's width policy, which models the drafter
-        else:
-            n = e.verifier.plan(draft, k, position) if draft is not None else 0
+        source = DraftSource.MODEL if draft is None else draft.source
+        n = e.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
         anchor_arr = e.backend.int_array([anchor])
@@ -348,13 +370,28 @@ class _Loop:
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
         e.target.crop(position + accepted + 1)
+        commit_s = 0.0
         if self.speculating:
             _, commit_s = self._timed(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
-        if copied is None:
-            e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s))
+        e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s, source))
         new = self._emit(verification.token_ids)
-        self.stats.record_cycle(n, accepted, len(new), copied=copied is not None)
+        self.stats.record_cycle(n, accepted, len(new), copied=source is DraftSource.LOOKUP)
         return new
+
+    def _room(self, position: int) -> int:
+        """Most proposals this cycle may verify: the block, what is left to generate, the window."""
+        k = min(self.block - 1, self.max_new - len(self.produced) - 1)
+        return k if self.window is None else min(k, self.window - position - 1)
+
+    def _draft(self, anchor: int, position: int, k: int) -> tuple[Draft | None, float]:
+        """A free proposal (a prompt-lookup copy) if there is one, else the drafter's when the
+        verifier's policy says drafting pays this cycle; and the seconds the drafter took."""
+        e = self.e
+        request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
+        free = e.drafter.propose_free(request)
+        if free is not None or not e.verifier.wants_draft(k, position):
+            return free, 0.0
+        return self._timed(lambda: e.drafter.propose(request), "draft_s")
 
     def _verify(self, draft, logits):
         return self.e.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)
@@ -374,8 +411,6 @@ class _Loop:
             if self.window is not None and len(self.prompt_ids) + len(self.produced) >= self.window:
                 self._stop_reason = "context_length"
                 break
-        if self.lookup is not None:
-            self.lookup.extend(new)
         return new
 
     def _timed(self, fn, total: str):
@@ -448,10 +483,3 @@ def _argument(field: str) -> str:
     """The keyword argument that sets a config field this call: ``sampling.top_p`` -> ``top_p``."""
     key = field.split(".")[1] if "." in field else field
     return f"generate(..., {key}=...)"
-
-
-def _make_verifier(config: EngineConfig, registry) -> Verifier:
-    kind = config.verifier.kind
-    if kind == "auto":
-        kind = "speculative_sampling"  # exact greedy rule at temperature 0, sampling rule otherwise
-    return registry.verifiers[kind](config.verifier.options)

@@ -7,7 +7,7 @@ handled through the backend's :class:`~speculant.core.arrays.ArrayOps`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol, Sequence
 
 from speculant.core.arrays import ArrayOps
 from speculant.core.types import (
@@ -29,6 +29,27 @@ if TYPE_CHECKING:
 
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
     from speculant.core.problems import Problem
+
+
+class Catalogue(Protocol):
+    """What the installed plugins registered, as the validator and the composition root read it
+    (:class:`speculant.plugins.manager.Registry` is one)."""
+
+    backends: Mapping[str, type["Backend"]]
+    drafters: Mapping[str, "DrafterFactory"]
+    verifiers: Mapping[str, type["Verifier"]]
+
+    def missing_hint(self, kind: str, name: str) -> str:
+        """Why no ``kind`` (backends, drafters, verifiers) named ``name`` is registered."""
+
+    def origin(self, kind: str, name: str) -> str:
+        """Where a registered name came from (for error messages)."""
+
+    def failed_plugins(self) -> list:
+        """Plugins that failed to load (records with ``distribution``, ``source``, ``error``)."""
+
+    def check_pairing(self, config: "EngineConfig", target: TargetInfo, drafter: DrafterInfo | None) -> list["Problem"]:
+        """Every plugin's extra problems with this pairing."""
 
 
 class TargetModel(ABC):
@@ -63,8 +84,10 @@ class TargetModel(ABC):
     def greedy_steps(self, anchor_id: int) -> "Iterator[int] | None":
         """Optional fast path for plain greedy decoding: from ``anchor_id`` (the last token, not yet in
         the cache), yield the target's argmax tokens one at a time, each fed back on the device so the
-        next step can be queued before the host reads this one. The engine closes the iterator when the
-        request ends and then crops the cache. None (the default) when the backend has no such path."""
+        next step can be queued before the host reads this one. Like the verifiers, it raises
+        :class:`~speculant.core.errors.NonFiniteLogitsError` when a step's largest logit is not finite.
+        The engine closes the iterator when the request ends and then crops the cache. None (the
+        default) when the backend has no such path."""
         return None
 
     @abstractmethod
@@ -128,8 +151,8 @@ class Drafter(ABC):
     """Proposes tokens for the target to verify. One instance serves one sequence at a time.
 
     ``commit`` follows every verification, but ``propose`` may be skipped for a cycle (a plain
-    target step, or a prompt-lookup copy): a drafter must take in several commits before its
-    next proposal."""
+    target step, or a free proposal such as a prompt-lookup copy): a drafter must take in several
+    commits before its next proposal."""
 
     info: DrafterInfo
 
@@ -138,8 +161,14 @@ class Drafter(ABC):
         """Start a sequence from the target's prefill output and the first generated token."""
 
     @abstractmethod
-    def propose(self, request: DraftRequest) -> Draft:
-        """Propose ``request.num_tokens`` tokens following ``request.anchor_id``."""
+    def propose(self, request: DraftRequest) -> Draft | None:
+        """Propose up to ``request.num_tokens`` tokens following ``request.anchor_id`` (None: nothing
+        to propose, the cycle is a plain target step)."""
+
+    def propose_free(self, request: DraftRequest) -> Draft | None:
+        """A proposal that costs no forward (a copy out of the context), tried every cycle before the
+        verifier is asked whether drafting pays; None (the default) when there is none."""
+        return None
 
     @abstractmethod
     def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:

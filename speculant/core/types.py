@@ -203,7 +203,10 @@ class DrafterInfo:
 
 @dataclass
 class Chunk:
-    """One piece of streamed output."""
+    """One piece of streamed output. The request's last chunk (possibly empty) carries its
+    finish reason (``stop_reason``: the word ``GenerationStats.stop_reason`` uses) and its stats."""
 
     text: str
     token_ids: list[int]
+    stop_reason: str | None = None
+    stats: Any = None  # GenerationStats, on the last chunk only

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
 from speculant.core.errors import ConfigError
+from speculant.core.interfaces import Catalogue
 from speculant.core.problems import Problem, Report
 from speculant.core.target_check import target_tensor_problems
 from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
@@ -90,20 +90,17 @@ def _maybe_json(path: Path) -> dict:
         return {}
 
 
-def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> Report:
-    """Check the whole pairing without loading weights; never raises for a bad pairing."""
-    if registry is None:
-        from importlib import import_module
-
-        registry = import_module("speculant.plugins.manager").get_registry()
+def validate(config: EngineConfig | dict | str | Path, catalogue: Catalogue) -> Report:
+    """Check the whole pairing against what ``catalogue`` registered, without loading weights;
+    never raises for a bad pairing (``speculant.validate`` supplies the installed plugins)."""
     config = EngineConfig.load(config)
     report = Report()
     add = report.problems.append
-    _check_plugins(registry, add)
+    _check_plugins(catalogue, add)
 
-    backend_cls = registry.backends.get(config.backend.kind)
+    backend_cls = catalogue.backends.get(config.backend.kind)
     if backend_cls is None:
-        add(Problem("backend.kind", registry.missing_hint("backends", config.backend.kind), "use one of the registered backends"))
+        add(Problem("backend.kind", catalogue.missing_hint("backends", config.backend.kind), "use one of the registered backends"))
     else:
         reason = backend_cls.availability_problem()
         if reason:
@@ -122,13 +119,13 @@ def validate(config: EngineConfig | dict | str | Path, registry: Any = None) -> 
 
     drafter_info = None
     if config.drafter.enabled:
-        drafter_info = _check_drafter(config, target, registry, add)
+        drafter_info = _check_drafter(config, target, catalogue, add)
     _check_lookup(config, add)
     _check_block_floor(config, add)
     report.drafter = drafter_info
-    _check_verifier(config, drafter_info, registry, add)
+    _check_verifier(config, drafter_info, catalogue, add)
     if target is not None:
-        report.problems.extend(registry.check_pairing(config, target, drafter_info))
+        report.problems.extend(catalogue.check_pairing(config, target, drafter_info))
     return report
 
 
@@ -200,11 +197,11 @@ def _check_device(config: EngineConfig, backend_cls, add) -> None:
                     f"backend here: {exc}", "use 'auto' or 'cpu', or a device this machine has"))
 
 
-def _check_plugins(registry, add) -> None:
+def _check_plugins(catalogue, add) -> None:
     """A plugin asked for by name (``-p MODULE``) that failed to load is an error. An installed
     one that failed only matters when a name it would register is used, which the kind checks
     report (with the failure) through ``missing_hint``."""
-    for record in getattr(registry, "failed_plugins", lambda: [])():
+    for record in catalogue.failed_plugins():
         if record.distribution == "command line":
             add(Problem("plugins", f"plugin {record.source} failed to load: {record.error}",
                         "fix the module or drop -p (speculant plugins -p MODULE --traceback shows why)"))
@@ -223,11 +220,11 @@ def _check_options(section: str, kind: str, options_model, options: dict, add) -
         add(Problem(f"{section}.options", f"invalid options for {kind}: {exc}", f"see the {section}'s documentation"))
 
 
-def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, add) -> DrafterInfo | None:
+def _check_drafter(config: EngineConfig, target: TargetInfo | None, catalogue, add) -> DrafterInfo | None:
     d = config.drafter
-    factory = registry.drafters.get(d.kind)
+    factory = catalogue.drafters.get(d.kind)
     if factory is None:
-        add(Problem("drafter.kind", registry.missing_hint("drafters", d.kind), "install the plugin that provides it, or fix the name"))
+        add(Problem("drafter.kind", catalogue.missing_hint("drafters", d.kind), "install the plugin that provides it, or fix the name"))
         return None
     if config.backend.kind not in factory.backends:
         add(Problem("drafter.kind", f"the {d.kind} drafter does not support the {config.backend.kind} backend",
@@ -239,7 +236,7 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, registry, ad
     try:
         info, problems = factory.describe(d, target, config.backend.kind)
     except Exception as exc:  # a plugin's bug must not become the validator's traceback
-        origin = registry.origin("drafters", d.kind) if hasattr(registry, "origin") else "its plugin"
+        origin = catalogue.origin("drafters", d.kind)
         add(Problem("drafter.kind", f"the {d.kind} drafter ({origin}) raised {type(exc).__name__} while reading "
                     f"its checkpoint: {exc}", "report this to the plugin's authors, or use another drafter"))
         return None
@@ -304,14 +301,11 @@ def _check_quantization(config: EngineConfig, add) -> None:
                         f"use one of {', '.join(map(str, allowed))}"))
 
 
-def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, registry, add) -> None:
+def _check_verifier(config: EngineConfig, drafter: DrafterInfo | None, catalogue, add) -> None:
     kind = config.verifier.kind
-    if kind == "auto":  # the exact rule of speculative_sampling, which takes no options
-        _check_options("verifier", kind, None, config.verifier.options, add)
-        return
-    cls = registry.verifiers.get(kind)
+    cls = catalogue.verifiers.get(config.verifier.resolved_kind)
     if cls is None:
-        add(Problem("verifier.kind", registry.missing_hint("verifiers", kind), "use auto, greedy or speculative_sampling"))
+        add(Problem("verifier.kind", catalogue.missing_hint("verifiers", kind), "use auto, greedy or speculative_sampling"))
         return
     if config.sampling.temperature > 0 and not cls.supports_sampling:
         add(Problem("verifier.kind", f"the {kind} verifier only supports greedy decoding but sampling.temperature is {config.sampling.temperature}",

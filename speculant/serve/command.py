@@ -36,7 +36,7 @@ def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from speculant.cli import UsageError, build_config, load_registry, warn
-    from speculant.core.engine import Engine
+    from speculant.api import load_engine
 
     try:
         from speculant.serve import run
@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"speculant serve needs the [serve] extra: pip install 'speculant[serve]' ({exc})") from None
     if args.max_queue < 0 or args.timeout <= 0 or args.max_body_bytes <= 0:
         raise UsageError("--max-queue must be >= 0, --timeout and --max-body-bytes > 0")
-    engine = Engine.from_config(build_config(args), registry=load_registry(args))
+    engine = load_engine(build_config(args), registry=load_registry(args))
     for problem in engine.report.warnings if engine.report else []:
         warn(str(problem))
     api_key = args.api_key or os.environ.get("SPECULANT_API_KEY") or None

@@ -110,6 +110,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         """In the worker thread: generate, hand every chunk over, stop on cancel or deadline."""
         engine = self.engine
+        chunks = None
         try:
             chunks = engine.generate(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, **job.overrides)
             job.put(Started())
@@ -123,10 +124,10 @@ class Worker:
                         timed_out = True
                         break
             finally:
-                chunks.close()  # frees the engine and records last_stats
-            job.put(Done(engine.last_stats, list(engine.last_token_ids), timed_out))
+                chunks.close()  # frees the engine; the request's own record holds its stats
+            job.put(Done(chunks.stats, chunks.token_ids, timed_out))
         except Exception as exc:  # noqa: BLE001  every failure goes to the client, never kills the server
-            job.put(Failed(exc, engine.last_stats))
+            job.put(Failed(exc, None if chunks is None else chunks.stats))
         finally:
             try:
                 job.loop.call_soon_threadsafe(self._turn.release)

@@ -288,7 +288,7 @@ def cmd_evaluate(args) -> int:
 
     config = {"target": {"path": str(args.target)},
               "drafter": {"kind": args.drafter, "path": str(args.draft), "block_size": args.block_size}}
-    engine = speculant.Engine.from_config(config)
+    engine = speculant.load_engine(config)
     taus = []
     for prompt in corpus_prompts(args.target, args.prompts, 64, seed=1234, held_out=True):
         stats = engine.run(prompt_ids=prompt.tolist(), max_new_tokens=args.max_new_tokens, ignore_eos=True).stats

@@ -31,7 +31,7 @@ def test_reference_loop_matches_speculant_on_the_shipped_pair(reference_venv, pr
     config = embedded.engine_config("dflash", backend="torch", lookup=False)  # the reference has no prompt lookup
     config["backend"].update({"dtype": "float32", "device": "cpu"})
     config["verifier"] = {"kind": "greedy"}  # a full block every cycle, as the reference loop does
-    engine = speculant.Engine.from_config(config)
+    engine = speculant.load_engine(config)
     prompt = (engine.tokenizer.encode("import os\n\n\ndef main(argv):\n", add_special_tokens=False)
               if prompt_kind == "short" else long_prompt())
     ref = harness.run_reference("torch", embedded.PAIR_DIR / "target", embedded.PAIR_DIR / "dflash", prompt, 48, 8)

@@ -27,7 +27,7 @@ CASES = [  # (draft, prompt, block size, max new tokens)
 @pytest.fixture(scope="module")
 def engines(planted_pair):
     return {
-        name: speculant.Engine.from_config({
+        name: speculant.load_engine({
             "backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
             "target": {"path": str(planted_pair["target"])},
             "drafter": {"kind": "dflash", "path": str(planted_pair[name])},
@@ -71,6 +71,6 @@ def test_same_proposals_tokens_and_acceptance_as_dflash_generate(engines, refere
 
 def test_reference_baseline_equals_our_plain_decoding(reference_venv, planted_pair):
     ref = harness.run_reference("torch", planted_pair["target"], planted_pair["draft"], [5, 6, 7], 30, 1, baseline=True)
-    plain = speculant.Engine.from_config({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+    plain = speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                           "target": {"path": str(planted_pair["target"])}})
     assert plain.run(prompt_ids=[5, 6, 7], max_new_tokens=30, ignore_eos=True).token_ids == ref["tokens"]

@@ -147,7 +147,7 @@ class MTPDrafter(Drafter):
         target's temperature / top-k / top-p processing; q is returned as a [1, V] row."""
         if not sample:
             return self.ops.argmax(logits), None
-        from speculant.verifiers.processing import inverse_cdf, target_probs
+        from speculant.core.sampling import inverse_cdf, target_probs
 
         if request.rng is None:
             raise ValueError("sampled MTP drafting needs DraftRequest.rng (a numpy Generator)")

@@ -1,0 +1,58 @@
+"""Prompt lookup as a proposer: a drafter wrapper that copies what followed the latest earlier
+occurrence of the context's last tokens, and otherwise asks the wrapped drafter (or, with none,
+proposes nothing: the cycle is a plain target step).
+
+A copy costs no forward, so it is offered as :meth:`propose_free`, before the verifier decides
+whether drafting pays this cycle. Its drafts say ``source = LOOKUP``: adaptive width policies,
+which model the drafter, verify copies whole and learn nothing from them. The wrapped drafter
+still commits every cycle, copies included, so its context stays complete.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from speculant.core.config import LookupConfig
+from speculant.core.interfaces import Backend, Drafter
+from speculant.core.lookup import DEFAULT_BLOCK_SIZE, PromptLookup
+from speculant.core.types import Draft, DrafterInfo, DraftRequest, DraftSource, ForwardOutput
+
+
+class LookupProposer(Drafter):
+    """``drafter.lookup``: copies from the context first, then ``inner`` (None: lookup on its own)."""
+
+    def __init__(self, inner: Drafter | None, config: LookupConfig, backend: Backend) -> None:
+        self.inner = inner
+        self.backend = backend
+        self.index = PromptLookup(config.min_match, config.max_match)
+        self.info = inner.info if inner is not None else DrafterInfo(
+            kind="lookup", default_block_size=DEFAULT_BLOCK_SIZE, uses_target_embedding=False,
+            uses_target_lm_head=False)
+        self._missed: tuple[int, int] | None = None  # (history length, k) of the last failed match
+
+    def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
+        self.index.reset([*prompt_ids, first_token_id])
+        self._missed = None
+        if self.inner is not None:
+            self.inner.prefill(prompt_ids, output, first_token_id)
+
+    def propose_free(self, request: DraftRequest) -> Draft | None:
+        key = (len(self.index.history), request.num_tokens)
+        if key == self._missed:
+            return None
+        copied = self.index.propose(request.num_tokens)
+        if copied is None:
+            self._missed = key
+            return None
+        return Draft(self.backend.int_array(copied), len(copied), source=DraftSource.LOOKUP)
+
+    def propose(self, request: DraftRequest) -> Draft | None:
+        copy = self.propose_free(request)
+        if copy is not None or self.inner is None:
+            return copy
+        return self.inner.propose(request)
+
+    def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
+        self.index.extend(token_ids)
+        if self.inner is not None:
+            self.inner.commit(output, num_rows, token_ids)
