@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from speculant.drafters.dflash.config import parse_config  # noqa: E402
-from speculant.drafters.dflash.torch import ContextCache, Rotary, attention_mask  # noqa: E402
+from speculant.drafters.dflash.torch import ContextCache, Rotary, allocate, attention_mask  # noqa: E402
 from speculant.embedded import PAIR_DIR  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def test_context_cache_joins_blocks_in_place_as_concatenation_would(window):
     keys/values attended to and the first kept position equal those of plain concatenation,
     through buffer growth and, for a sliding layer, compaction."""
     gen = torch.Generator().manual_seed(0)
-    cache = ContextCache(1, [window])
+    cache = ContextCache([window], allocate)
     kept_k = kept_v = torch.empty(2, 0, 4)
     start = position = 0
     buffers = []  # every buffer the cache used (held, so none is freed and reused)

@@ -1,4 +1,5 @@
-"""DFlash draft model on PyTorch: config -> modules -> forward, then the Drafter around it.
+"""DFlash draft model on PyTorch: config -> modules -> forward, then the network the shared
+:class:`~speculant.drafters.dflash.drafter.DFlashDrafter` drives.
 
 The draft reads the target's hidden states of ``target_layer_ids``, projects them once
 (``fc`` + ``hidden_norm``) into a context injected as extra keys/values into every layer,
@@ -8,16 +9,14 @@ and denoises a block ``[anchor, mask x (B-1)]`` in one non-causal pass.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculant.core.interfaces import Drafter
-from speculant.core.types import Draft, DrafterInfo, DraftRequest, ForwardOutput
-from speculant.drafters.dflash import muse_glimmer
 from speculant.drafters.dflash.config import DFlashConfig
+from speculant.drafters.dflash.context import ContextCache
 from speculant.drafters.dflash.visibility import every_key_visible
 
 
@@ -100,7 +99,7 @@ class Attention(nn.Module):
         return rotate(k, cos, sin), v
 
     def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
-        """``context`` (:class:`ContextRows` or a :class:`ContextCache` slot) puts the block's keys
+        """``context`` (:class:`ContextRows` or a ``ContextCache`` slot) puts the block's keys
         and values after the context's."""
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)).transpose(0, 1)
@@ -191,74 +190,6 @@ class ContextRows(NamedTuple):
         return torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
 
 
-class ContextCache:
-    """Per-layer keys/values of committed context rows, in buffers with room after them: a draft
-    writes its block's rows there (never committed) and attends over a view, so no cycle copies
-    the context. A sliding layer keeps its last ``window - 1`` rows; its buffer is compacted only
-    when full, so that copy is paid once per ``window`` rows, not once per cycle."""
-
-    def __init__(self, num_layers: int, windows: list[int | None]) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.first = [0] * num_layers  # buffer row of the first kept context row
-        self.end = [0] * num_layers  # buffer row after the last committed one
-        self.starts: list[int] = [0] * num_layers  # absolute position of the first kept row
-        self.windows = windows
-
-    def append(self, layer: int, k, v, start: int, reserve: int = 0) -> None:
-        """Commit rows ``k``/``v`` [kv_heads, n, hd] (positions from ``start`` on); keep room for
-        ``reserve`` block rows after them."""
-        if self.keys[layer] is None:
-            self.starts[layer] = start
-        n = k.shape[1]
-        self._make_room(layer, n + reserve, k, v)
-        end = self.end[layer]
-        self.keys[layer][:, end:end + n] = k
-        self.values[layer][:, end:end + n] = v
-        self.end[layer] = end + n
-        window = self.windows[layer]
-        if window is not None and self.length(layer) > window - 1:  # a sliding layer never needs more
-            drop = self.length(layer) - (window - 1)
-            self.first[layer] += drop
-            self.starts[layer] += drop
-
-    def _make_room(self, layer: int, rows: int, k, v) -> None:
-        keys, first, end = self.keys[layer], self.first[layer], self.end[layer]
-        kept = end - first
-        if keys is not None and end + rows <= keys.shape[1]:
-            return
-        window = self.windows[layer]
-        need = kept + rows
-        capacity = max(64, 2 * need if window is None else need + window)
-        grown_k = k.new_empty((k.shape[0], capacity, k.shape[2]))
-        grown_v = v.new_empty((v.shape[0], capacity, v.shape[2]))
-        if kept:
-            grown_k[:, :kept] = keys[:, first:end]
-            grown_v[:, :kept] = self.values[layer][:, first:end]
-        self.keys[layer], self.values[layer] = grown_k, grown_v
-        self.first[layer], self.end[layer] = 0, kept
-
-    def length(self, layer: int) -> int:
-        return self.end[layer] - self.first[layer]
-
-    def slot(self, layer: int) -> "_BlockSlot":
-        return _BlockSlot(self, layer)
-
-
-class _BlockSlot:
-    """One layer's context in a :class:`ContextCache`, joined with a block in place."""
-
-    def __init__(self, cache: ContextCache, layer: int) -> None:
-        self.cache, self.layer = cache, layer
-
-    def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c, i = self.cache, self.layer
-        first, end = c.first[i], c.end[i]
-        c.keys[i][:, end:end + k.shape[1]] = k
-        c.values[i][:, end:end + v.shape[1]] = v
-        return c.keys[i][:, first:end + k.shape[1]], c.values[i][:, first:end + v.shape[1]]
-
-
 def embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
     """The target's embedding table rows for ``ids``, without the weightless ``embed_norm`` a
     Muse Glimmer embedding applies on lookup: transformers' DFlash generation bypasses it for
@@ -267,65 +198,38 @@ def embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, module.weight)
 
 
-class TorchDFlashDrafter(Drafter):
-    """Drafter protocol over :class:`DFlashModel`, borrowing the target's embedding and head."""
+class TorchDFlashNetwork:
+    """:class:`~speculant.drafters.dflash.drafter.DFlashNetwork` over :class:`DFlashModel`,
+    borrowing the target's embedding and head."""
 
-    def __init__(self, model: DFlashModel, info: DrafterInfo, target, backend) -> None:
+    def __init__(self, model: DFlashModel, target, backend) -> None:
         self.model = model
         self.cfg = model.cfg
-        self.info = info
         self.target = target
         self.backend = backend
-        self.cache: ContextCache | None = None
-        self.pending: list[torch.Tensor] = []
-        self.context_length = 0
+        self.windows = [layer.window for layer in model.layers]
+        self.cache = ContextCache(self.windows, allocate)
         self._dtype = next(model.parameters()).dtype
-        # a Muse Glimmer assistant reading the target's last layer gets its final-normed state
-        self._final_feature = muse_glimmer.final_feature(self.cfg) if info.final_hidden == "post_norm" else None
 
-    def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
-        self.cache = ContextCache(self.cfg.num_hidden_layers, [l.window for l in self.model.layers])
-        self.pending = [self._features(output, None)]
-        self.context_length = 0
-
-    def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
-        self.pending.append(self._features(output, num_rows))
-
-    def _features(self, output: ForwardOutput, rows: int | None) -> torch.Tensor:
-        features = output.features[:rows]
-        j = self._final_feature
-        if j is None:
-            return features
-        H = self.cfg.hidden_size
-        features = features.clone()
-        features[:, j * H:(j + 1) * H] = output.final_hidden[:rows]
-        return features
+    def reset(self) -> None:
+        self.cache = ContextCache(self.windows, allocate)
 
     @torch.inference_mode()
-    def _hidden(self, request: DraftRequest) -> torch.Tensor:
-        """Final-normed draft hidden states of block rows 1..k."""
-        m, cfg = self.model, self.cfg
-        k = request.num_tokens
-        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
-        self.pending = []
-        n_ctx = features.shape[0]
-        device = features.device
-        dtype = self._dtype
+    def hidden(self, features: torch.Tensor, context_start: int, block_ids: torch.Tensor, position: int) -> torch.Tensor:
+        m, cfg, cache = self.model, self.cfg, self.cache
+        n_ctx, q_len = features.shape[0], block_ids.shape[0]
+        device, dtype = features.device, self._dtype
         ctx = m.project_context(features.to(dtype))
-        ctx_cos, ctx_sin = m.rotary.span(self.context_length, n_ctx, dtype, device)
-        cos, sin = m.rotary.span(request.position, k + 1, dtype, device)
-        ids = self._block_ids(request.anchor_id, k)
-        x = self._embed(ids).to(dtype)
+        ctx_cos, ctx_sin = m.rotary.span(context_start, n_ctx, dtype, device)
+        cos, sin = m.rotary.span(position, q_len, dtype, device)
+        x = self._embed(block_ids).to(dtype)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        cache = self.cache
         for i, layer in enumerate(m.layers):
             ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-            cache.append(i, ck, cv, self.context_length, reserve=k + 1)
-            mask = attention_mask(cache.starts[i], cache.length(i), request.position, k + 1, layer.causal,
-                                  layer.window, device)
+            cache.append(i, ck, cv, context_start, reserve=q_len)
+            mask = attention_mask(cache.starts[i], cache.length(i), position, q_len, layer.causal, layer.window, device)
             x = layer(x, cos, sin, cache.slot(i), mask)
-        self.context_length += n_ctx
         return m.norm(x[1:])
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -333,26 +237,16 @@ class TorchDFlashDrafter(Drafter):
             return embedding_rows(self.target, ids)
         return self.target.embed(ids)
 
-    def _block_ids(self, anchor: int, k: int) -> torch.Tensor:
-        ids = self.backend.int_array([anchor] + [self.cfg.mask_token_id] * k)
-        return ids
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        # a quantized draft may compute in another dtype than the target's head takes
+        return self.target.lm_head(hidden.to(self.backend.dtype), raw=True).float()
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.to(self.backend.dtype)  # a quantized draft may compute in another dtype
-        # the bare head, as the published drafts and the trainer use it: target.lm_head includes the target's own
-        # logit transform (Gemma's soft-cap, Muse Glimmer's), which a draft's multiplier / soft-cap would repeat
-        logits = self.target.model.get_output_embeddings()(hidden).float()
-        if self.cfg.is_muse_glimmer:  # transformers' DFlash drafts with the bare head alone
-            return logits
-        if self.cfg.output_multiplier != 1.0:
-            logits = logits * self.cfg.output_multiplier
-        cap = self.cfg.final_logit_softcapping
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+    def tanh(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
 
-    @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> Draft:
-        logits = self.logits(self._hidden(request))
-        tokens = torch.argmax(logits, dim=-1)
-        return Draft(token_ids=tokens, num_tokens=request.num_tokens)
+    def launch(self, tokens: torch.Tensor) -> None:
+        """Eager: the proposal is already computed."""
+
+
+def allocate(like: torch.Tensor, rows: int) -> torch.Tensor:
+    return like.new_empty((*like.shape[:-2], rows, like.shape[-1]))

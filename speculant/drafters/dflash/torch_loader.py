@@ -51,11 +51,12 @@ def place_and_quantize(model, config, info, backend):
 
 
 def load_torch_drafter(config, info, backend, target):
-    from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashDrafter
-
     from speculant.drafters.dflash import muse_glimmer
+    from speculant.drafters.dflash.drafter import DFlashDrafter
+    from speculant.drafters.dflash.torch import DFlashModel, TorchDFlashNetwork
 
     cfg = info.extra["config"]
     model = DFlashModel(cfg)
     load_into(model, config.path, rename=muse_glimmer.TENSOR_NAMES if cfg.is_muse_glimmer else None)
-    return TorchDFlashDrafter(place_and_quantize(model, config, info, backend), info, target, backend)
+    network = TorchDFlashNetwork(place_and_quantize(model, config, info, backend), target, backend)
+    return DFlashDrafter(network, info, backend)

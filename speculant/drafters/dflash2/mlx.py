@@ -1,6 +1,7 @@
 """DFlash2 on MLX: the MLX DFlash network plus grouped dynamic convolutions around both
-sublayers of every layer and the candidate selector; the walk runs on the host (the same NumPy
-code as on PyTorch), after one transfer of the round's score table.
+sublayers of every layer and the candidate selector; the shared
+:class:`~speculant.drafters.dflash2.drafter.DFlash2Drafter` walks the round's score table on
+the host after one transfer.
 
 Same math and parameter names as :mod:`speculant.drafters.dflash2.torch`. Candidates are the
 top-K of each row sorted by descending logit on both backends, so the walk sees the same
@@ -13,10 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from speculant.core.types import Draft, DrafterInfo, DraftRequest
+from speculant.core.types import DrafterInfo
 from speculant.drafters.dflash.config import DFlashConfig
-from speculant.drafters.dflash.mlx import DecoderLayer, DFlashModel, MLXDFlashDrafter
-from speculant.drafters.dflash2.selector import ScoreTable, walk
+from speculant.drafters.dflash.mlx import DecoderLayer, DFlashModel, MLXDFlashNetwork
+from speculant.drafters.dflash2.drafter import DFlash2Drafter
 
 
 class GroupedDynamicConv(nn.Module):
@@ -119,26 +120,17 @@ class DFlash2Model(DFlashModel):
         self.candidate_selector = CandidateSelector(cfg)
 
 
-class MLXDFlash2Drafter(MLXDFlashDrafter):
-    """One host read per round (the score table, which also evaluates the context caches),
-    then the shared host walk; greedy rounds are one-hot, sampled rounds sparse."""
+class MLXDFlash2Network(MLXDFlashNetwork):
+    """:class:`~speculant.drafters.dflash2.drafter.DFlash2Network` over :class:`DFlash2Model`."""
 
-    def propose(self, request: DraftRequest) -> Draft:
-        k = request.num_tokens
-        hidden = self.hidden(request)
-        selector = self.model.candidate_selector
-        scores, candidates = selector.score_table(hidden, self.logits(hidden), request.anchor_id)
+    def score_table(self, hidden: mx.array, logits: mx.array, anchor_id: int) -> tuple[np.ndarray, mx.array]:
+        scores, candidates = self.model.candidate_selector.score_table(hidden, logits, anchor_id)
         flat = mx.concatenate([scores, candidates.reshape(-1).astype(mx.float32)])
-        mx.eval(flat, candidates, *[a for c in self.caches for a in c.state()])
-        table = ScoreTable.from_flat(np.array(flat), k, selector.top_k)
-        path = walk(table, request.sampling, request.rng)
-        tokens = mx.array(path.token_ids, dtype=mx.int32)
-        if path.q is None:
-            return Draft(tokens, k, confidence=path.confidence)
-        return Draft(tokens, k, draft_probs=mx.array(path.q), candidate_ids=candidates, confidence=path.confidence)
+        mx.eval(flat, candidates, *self.cache.arrays())  # one host read per round, caches included
+        return np.array(flat), candidates
 
 
-def load_mlx_dflash2(config, info: DrafterInfo, backend, target) -> MLXDFlash2Drafter:
+def load_mlx_dflash2(config, info: DrafterInfo, backend, target) -> DFlash2Drafter:
     """Build, load (either codebook spelling), optionally quantize, and bind to ``target``."""
     from speculant.core.checkpoint import tensor_inventory
     from speculant.core.errors import CheckpointError
@@ -162,4 +154,4 @@ def load_mlx_dflash2(config, info: DrafterInfo, backend, target) -> MLXDFlash2Dr
         quantization.quantize_mlx(model, q, quantization.exclude_for(info, q))
     model.eval()
     mx.eval(model.parameters())
-    return MLXDFlash2Drafter(model, info, target, backend, dtype)
+    return DFlash2Drafter(MLXDFlash2Network(model, target, dtype), info, backend)

@@ -1,5 +1,6 @@
 """DFlash2 on PyTorch: the DFlash v1 network plus grouped dynamic convolutions around both
-sublayers of every layer and the candidate selector; the Drafter walks the selector on the host.
+sublayers of every layer and the candidate selector, whose score table the shared
+:class:`~speculant.drafters.dflash2.drafter.DFlash2Drafter` walks on the host.
 
 Tensor names match the published checkpoints (the codebooks are plain parameters named
 ``candidate_selector.{predecessor,successor}_codebook``, as on disk).
@@ -11,10 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from speculant.core.types import Draft, DraftRequest
 from speculant.drafters.dflash.config import DFlashConfig
-from speculant.drafters.dflash.torch import DecoderLayer, DFlashModel, TorchDFlashDrafter
-from speculant.drafters.dflash2.selector import ScoreTable, walk
+from speculant.drafters.dflash.torch import DecoderLayer, DFlashModel, TorchDFlashNetwork
 
 
 class GroupedDynamicConv(nn.Module):
@@ -125,24 +124,10 @@ class DFlash2Model(DFlashModel):
         self.candidate_selector = CandidateSelector(cfg)
 
 
-class TorchDFlash2Drafter(TorchDFlashDrafter):
-    """DFlash2 proposals: one device-to-host copy of the score table per round, then the
-    walk on the host. Greedy rounds give a one-hot draft; sampled rounds a sparse draft
-    (q [k, K] over candidate ids [k, K]). ``confidence`` = the walk's probability of each
-    chosen token (temperature 1 when greedy); it comes with the table, at no extra sync."""
+class TorchDFlash2Network(TorchDFlashNetwork):
+    """:class:`~speculant.drafters.dflash2.drafter.DFlash2Network` over :class:`DFlash2Model`."""
 
     @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> Draft:
-        k = request.num_tokens
-        hidden = self._hidden(request)
-        selector = self.model.candidate_selector
-        scores, candidates = selector.score_table(hidden, self.logits(hidden), request.anchor_id)
-        flat = torch.cat([scores, candidates.reshape(-1).float()]).cpu().numpy()
-        table = ScoreTable.from_flat(flat, k, selector.top_k)
-        path = walk(table, request.sampling, request.rng)
-        device = candidates.device
-        tokens = torch.as_tensor(np.asarray(path.token_ids, dtype=np.int64), device=device)
-        if path.q is None:
-            return Draft(tokens, k, confidence=path.confidence)
-        return Draft(tokens, k, draft_probs=torch.from_numpy(path.q).to(device), candidate_ids=candidates,
-                     confidence=path.confidence)
+    def score_table(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int) -> tuple[np.ndarray, torch.Tensor]:
+        scores, candidates = self.model.candidate_selector.score_table(hidden, logits, anchor_id)
+        return torch.cat([scores, candidates.reshape(-1).float()]).cpu().numpy(), candidates

@@ -10,7 +10,8 @@ from speculant.drafters.dflash2.checkpoint import CODEBOOKS, codebook_spelling
 
 
 def load_torch_dflash2(config, info, backend, target):
-    from speculant.drafters.dflash2.torch import DFlash2Model, TorchDFlash2Drafter
+    from speculant.drafters.dflash2.drafter import DFlash2Drafter
+    from speculant.drafters.dflash2.torch import DFlash2Model, TorchDFlash2Network
 
     cfg = info.extra["config"]
     _, problems = codebook_spelling(tensor_inventory(config.path))
@@ -21,4 +22,5 @@ def load_torch_dflash2(config, info, backend, target):
     q = quantization.resolve(config.quantization)
     if q is not None and q.quantize_all:
         model.candidate_selector.codebooks_as_embeddings()
-    return TorchDFlash2Drafter(place_and_quantize(model, config, info, backend), info, target, backend)
+    network = TorchDFlash2Network(place_and_quantize(model, config, info, backend), target, backend)
+    return DFlash2Drafter(network, info, backend)

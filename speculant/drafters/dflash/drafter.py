@@ -1,0 +1,124 @@
+"""The DFlash drafting lifecycle, written once over a backend's :class:`DFlashNetwork`.
+
+Per request: ``prefill`` and every ``commit`` queue the target's captured hidden states of the
+committed positions; ``propose`` hands the queued rows to the network as new context (projected
+once, their keys/values cached in every layer), denoises the block ``[anchor, mask x k]`` after
+them, and picks each row's token from the draft logits: the target's bare head, then the
+draft's own ``output_multiplier`` and soft-cap.
+
+Two choices hold on every backend. When every layer slides, rows older than the widest window
+can never be seen again, so they are never projected (``max_context``). The network's cache
+writes the block's keys/values in place after the context's
+(:class:`speculant.drafters.dflash.context.ContextCache`), so no cycle copies the context.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from speculant.core.interfaces import Drafter
+from speculant.core.types import Array, Draft, DrafterInfo, DraftRequest, ForwardOutput
+from speculant.drafters.dflash import muse_glimmer
+from speculant.drafters.dflash.config import DFlashConfig
+
+
+class DFlashNetwork(Protocol):
+    """A backend's DFlash modules, their context cache and the target's shared weights."""
+
+    cfg: DFlashConfig
+    model: Any  # the backend's DFlashModel (its modules, as loaded and quantized)
+    windows: Sequence[int | None]  # each layer's sliding window (None: full attention)
+
+    def reset(self) -> None:
+        """Empty the context cache (a new request)."""
+
+    def hidden(self, features: Array, context_start: int, block_ids: Array, position: int) -> Array:
+        """Project new context rows (target features [n, F] at positions ``context_start ..``),
+        cache their keys/values in every layer, run the block ``block_ids`` at ``position ..``
+        over all cached context; return the final-normed rows 1.. of the block ([k, H])."""
+
+    def head(self, hidden: Array) -> Array:
+        """The target's bare head (``lm_head(raw=True)``) over draft rows, float32."""
+
+    def tanh(self, x: Array) -> Array: ...
+
+    def launch(self, tokens: Array) -> None:
+        """Start computing ``tokens`` and the cache writes without waiting (lazy backends)."""
+
+
+class DFlashDrafter(Drafter):
+    """Drafter protocol over a :class:`DFlashNetwork`; one sequence at a time."""
+
+    def __init__(self, network: DFlashNetwork, info: DrafterInfo, backend: Any) -> None:
+        self.net = network
+        self.cfg = network.cfg
+        self.info = info
+        self.backend = backend
+        self.ops = backend.ops
+        windows = list(network.windows)
+        # when every layer slides, older context rows can never be seen again
+        self.max_context = None if any(w is None for w in windows) else max(windows) - 1
+        self.pending: list[Array] = []
+        self.context_length = 0  # absolute position one past the last context row taken in
+        # a Muse Glimmer assistant reading the target's last layer gets its final-normed state
+        self._final_feature = muse_glimmer.final_feature(self.cfg) if info.final_hidden == "post_norm" else None
+
+    @property
+    def model(self) -> Any:
+        return self.net.model
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
+        self.net.reset()
+        self.pending = [self._features(output, None)]
+        self.context_length = 0
+
+    def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
+        self.pending.append(self._features(output, num_rows))
+
+    def _features(self, output: ForwardOutput, rows: int | None) -> Array:
+        features = output.features[:rows]
+        j = self._final_feature
+        if j is None:
+            return features
+        H = self.cfg.hidden_size
+        final = output.final_hidden[:rows]
+        return self.ops.concatenate([features[:, :j * H], final, features[:, (j + 1) * H:]], axis=1)
+
+    def _take_context(self) -> tuple[Array, int]:
+        """The queued feature rows the draft can still see, and the position of the first."""
+        features = self.pending[0] if len(self.pending) == 1 else self.ops.concatenate(self.pending, axis=0)
+        self.pending = []
+        n = int(features.shape[0])
+        start = self.context_length
+        self.context_length += n
+        if self.max_context is not None and n > self.max_context:
+            start = self.context_length - self.max_context
+            features = features[-self.max_context:]
+        return features, start
+
+    # -- drafting --------------------------------------------------------------------------
+    def hidden(self, request: DraftRequest) -> Array:
+        """Final-normed draft hidden states of block rows 1..k ([k, H]); takes in the queued context."""
+        features, start = self._take_context()
+        ids = self.backend.int_array([request.anchor_id] + [self.cfg.mask_token_id] * request.num_tokens)
+        return self.net.hidden(features, start, ids, request.position)
+
+    def logits(self, hidden: Array) -> Array:
+        """float32 draft logits: the bare head, as the published drafts and the trainer use it
+        (``target.lm_head`` would apply the target's own logit transform, Gemma's soft-cap or
+        Muse Glimmer's, which the draft's multiplier / soft-cap would repeat)."""
+        logits = self.net.head(hidden)
+        if self.cfg.is_muse_glimmer:  # transformers' DFlash drafts with the bare head alone
+            return logits
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = cap * self.net.tanh(logits / cap)
+        return logits
+
+    def propose(self, request: DraftRequest) -> Draft:
+        tokens = self.ops.argmax(self.logits(self.hidden(request)))
+        self.net.launch(tokens)
+        return Draft(token_ids=tokens, num_tokens=request.num_tokens)
