@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ def test_import_linter_contracts_are_kept():
     [
         "speculant, speculant.core.engine, speculant.core.validator",
         "speculant.cli, speculant.plugins.manager, speculant.core.config",
+        "speculant.api, speculant.plugin_api, speculant.drafters.lookup",
     ],
 )
 def test_core_imports_no_array_library(modules):
@@ -39,3 +41,16 @@ def test_core_imports_no_array_library(modules):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == []
+
+
+def test_no_module_reaches_another_speculant_module_by_a_string():
+    """Imports by name hide arrows from the layers contract; only the plugin manager loads the
+    modules that entry points (and ``-p``) name."""
+    offenders = []
+    for path in sorted((ROOT / "speculant").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if path.name == "manager.py" and path.parent.name == "plugins":
+            continue
+        if re.search(r"import_module\(\s*[\"']speculant", text):
+            offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []

@@ -183,3 +183,69 @@ def test_lookup_config_switch_and_errors(planted_pair):
     alone["drafter"] = {"lookup": True, "block_size": 1}
     [problem] = validate(alone).errors
     assert problem.field == "drafter.block_size" and "copied" in problem.message
+
+
+def test_copies_reach_the_verifier_marked_as_lookup_drafts(planted_pair):
+    """One loop for every proposal: the verifier plans and observes copy cycles too, and can tell
+    them apart (``DraftSource.LOOKUP``), as the adaptive width policy needs."""
+    from speculant.core.types import DraftSource
+    from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
+
+    class Recording(SpeculativeSamplingVerifier):
+        def __init__(self):
+            super().__init__()
+            self.planned, self.observed = [], []
+
+        def plan(self, draft, max_tokens, context_length):
+            self.planned.append(draft.source)
+            return super().plan(draft, max_tokens, context_length)
+
+        def observe(self, verification, submitted, timing=None):
+            self.observed.append(timing.source)
+
+    base = speculant.load_engine(config("torch", planted_pair))
+    verifier = Recording()
+    engine = speculant.Engine(base.config, base.backend, base.target, verifier, base.drafter, base.report)
+    stats = engine.run(prompt_ids=PROMPTS["repeats"], max_new_tokens=48, ignore_eos=True).stats
+    copies = verifier.observed.count(DraftSource.LOOKUP)
+    assert copies == stats.lookup_steps > 0 and verifier.planned.count(DraftSource.LOOKUP) == copies
+    assert DraftSource.MODEL in verifier.planned and len(verifier.observed) == stats.verify_steps
+
+
+def test_the_proposer_copies_first_then_asks_the_wrapped_drafter():
+    from speculant.core.config import LookupConfig
+    from speculant.core.types import Capture, Draft, DrafterInfo, DraftRequest, DraftSource
+    from speculant.drafters.lookup import LookupProposer
+
+    class Backend:  # the proposer needs only int_array from its backend
+        def int_array(self, values):
+            return np.asarray(values)
+
+    class Inner:
+        info = DrafterInfo(kind="inner", trained_block_size=4)
+        commits: list = []
+
+        def prefill(self, prompt_ids, output, first):
+            self.commits.append(("prefill", list(prompt_ids), first))
+
+        def propose(self, request):
+            return Draft(np.asarray([0] * request.num_tokens), request.num_tokens)
+
+        def commit(self, output, num_rows, token_ids):
+            self.commits.append(("commit", list(token_ids)))
+
+    inner = Inner()
+    proposer = LookupProposer(inner, LookupConfig(enabled=True, min_match=2, max_match=3), Backend())
+    assert proposer.info is inner.info
+    proposer.prefill([1, 2, 3, 4], None, 1)  # context 1 2 3 4 1: no 2-gram repeats yet
+    request = DraftRequest(anchor_id=1, position=4, num_tokens=3)
+    assert proposer.propose_free(request) is None
+    assert proposer.propose(request).source is DraftSource.MODEL
+    proposer.commit(None, 1, [2])  # context ... 4 1 2: "1 2" occurred before 3
+    copy = proposer.propose_free(DraftRequest(anchor_id=2, position=5, num_tokens=3))
+    assert copy.source is DraftSource.LOOKUP and list(copy.token_ids) == [3, 4, 1]
+    assert inner.commits == [("prefill", [1, 2, 3, 4], 1), ("commit", [2])]
+    alone = LookupProposer(None, LookupConfig(enabled=True), Backend())
+    alone.prefill([7, 8, 9], None, 6)
+    assert alone.propose(DraftRequest(anchor_id=6, position=3, num_tokens=2)) is None
+    assert alone.info.default_block_size == 8 and alone.info.capture == Capture()
