@@ -74,7 +74,8 @@ def torch_model(target, folder):
 
 def drafter_config(target, folder):
     from speculant.core.validator import read_target_info
-    from speculant.drafters.mtp.config import MTPOptions, parse_mtp
+    from speculant.drafters.mtp.config import MTPOptions
+    from speculant.drafters.mtp.parse import parse_mtp
 
     cfg, problems = parse_mtp(folder, read_target_info(target), MTPOptions(), separate=True)
     assert cfg is not None and not [p for p in problems if p.severity == "error"], [str(p) for p in problems]

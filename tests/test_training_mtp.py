@@ -78,7 +78,8 @@ def test_training_forward_equals_the_loaded_drafter_step_by_step(trained_target,
     inference over the saved folder give the same logits (no train/inference drift)."""
     from speculant.core.types import Capture
     from speculant.core.validator import read_target_info
-    from speculant.drafters.mtp.config import MTPOptions, parse_mtp
+    from speculant.drafters.mtp.config import MTPOptions
+    from speculant.drafters.mtp.parse import parse_mtp
     from speculant.drafters.mtp.torch import load_torch_network
     from speculant.training.features import capture_batch, load_frozen_target
     from speculant.training.mtp import mtp_logits

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from speculant.core.types import Capture
-from speculant.drafters.mtp.config import FAMILY_DEFAULTS, MTPConfig, MTPOptions, expected_tensors, parse_mtp
+from speculant.drafters.mtp.config import FAMILY_DEFAULTS, MTPConfig, MTPOptions
+from speculant.drafters.mtp.parse import parse_mtp
+from speculant.drafters.mtp.tensors import expected_tensors
 from speculant.drafters.mtp.torch import LayerCache, MTPModel
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train

@@ -22,7 +22,8 @@ import numpy as np
 
 from speculant.core.checkpoint import safetensors_files
 from speculant.core.errors import CheckpointError
-from speculant.drafters.mtp.config import MTPConfig, assemble, rope_frequencies, wanted_tensors
+from speculant.drafters.mtp.config import MTPConfig, rope_frequencies
+from speculant.drafters.mtp.tensors import assemble, wanted_tensors
 from speculant.drafters.mtp.routing import route
 
 LATENT_NORM_EPS = 1e-6  # MLA's q_a / kv_a norms use the RMSNorm default, not rms_norm_eps

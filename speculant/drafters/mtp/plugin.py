@@ -28,7 +28,7 @@ class MTPFactory(DrafterFactory):
     def describe(self, config, target, backend):
         from pydantic import ValidationError
 
-        from speculant.drafters.mtp.config import parse_mtp
+        from speculant.drafters.mtp.parse import parse_mtp
 
         try:
             options = MTPOptions.model_validate(config.options)
