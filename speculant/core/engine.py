@@ -1,22 +1,21 @@
-"""The scheduler: one backend + target + drafter + verifier, and the draft/verify loop."""
+"""The engine: one backend + target + drafter + verifier, a request's settings, and its stream
+(the draft / verify cycles themselves are in :mod:`speculant.core.loop`)."""
 
 from __future__ import annotations
 
 import operator
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
 from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
-from speculant.core.errors import ContextTooLongError, EngineBusyError, GenerationError, SettingError
+from speculant.core.errors import EngineBusyError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
+from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
-from speculant.core.types import Capture, Chunk, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
 from speculant.core.problems import Report
+from speculant.core.types import Chunk
 from speculant.core.validator import sampling_problems
 
 
@@ -199,7 +198,7 @@ class Engine:
             raise EngineBusyError(_BUSY)
         loop = None
         try:
-            loop = _Loop(self, prompt_ids, sampling_cfg, generation, block)
+            loop = Loop(self, prompt_ids, sampling_cfg, generation, block)
             decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
             tail = ""
             try:
@@ -258,188 +257,6 @@ class Generation(Iterator[Chunk]):
     @property
     def token_ids(self) -> list[int]:
         return list(self._record.token_ids)
-
-
-class _Loop:
-    """One generation: prefill, then draft / verify / commit cycles."""
-
-    def __init__(self, engine: Engine, prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int):
-        self.e = engine
-        self.prompt_ids = prompt_ids
-        self.sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k)
-        seeds = np.random.SeedSequence(sampling_cfg.seed).spawn(2)
-        self.verify_rng = np.random.default_rng(seeds[0])
-        self.draft_rng = np.random.default_rng(seeds[1])
-        self.max_new = generation.max_new_tokens
-        self.stop_ids = engine._stop_ids(generation)
-        self.block = block
-        self.produced: list[int] = []
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        self._stop_reason: str | None = None
-        self._t0 = time.perf_counter()
-        self._t_first: float | None = None
-        self._finished = False
-        limit = engine.verifier.max_context  # from this context on the request decodes plainly
-        self.limit = limit
-        self.timed = engine.time_phases or engine.verifier.needs_timings
-        self.stats.phases_timed = self.timed
-        within = limit is None or len(prompt_ids) < limit
-        self.speculating = engine.drafter is not None and within
-        window = engine.target.info.max_position_embeddings
-        self.window = window
-        if window is not None and len(prompt_ids) >= window:
-            raise ContextTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens but the target's context window is {window}; shorten the prompt"
-            )
-
-    def stop(self, reason: str) -> None:
-        self._stop_reason = reason
-
-    def truncate(self, n: int) -> None:
-        del self.produced[n:]
-
-    def cycles(self) -> Iterator[list[int]]:
-        e = self.e
-        try:
-            e.backend.reset_peak_memory()
-            e.target.reset()
-            e.verifier.begin(len(self.prompt_ids))
-            out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids, self.capture), "target_s")
-            first = self._verify(None, out.logits[-1:]).token_ids
-            self._t_first = time.perf_counter()
-            if self.speculating:
-                self._timed(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]), "draft_s")
-            new = self._emit(first)
-            yield new
-            position = len(self.prompt_ids)
-            steps = self._greedy_steps(first[-1]) if self._stop_reason is None else None
-            if steps is not None:
-                yield from self._plain_greedy(steps, position)
-                return
-            while self._stop_reason is None:
-                new = self._cycle(position, new[-1] if new else self.produced[-1])
-                position += len(new)
-                yield new
-        except KeyboardInterrupt:  # Ctrl-C in any phase: the request ends with what was emitted
-            self._stop_reason = "interrupted"
-        except GenerationError as exc:
-            self._stop_reason = "error"
-            exc.token_ids = list(self.produced)
-            raise
-
-    def _greedy_steps(self, anchor: int):
-        """The target's pipelined greedy path, for plain greedy requests that time nothing."""
-        if self.e.drafter is not None or not self.sampling.is_greedy or self.timed:
-            return None
-        return self.e.target.greedy_steps(anchor)
-
-    def _plain_greedy(self, steps, position: int) -> Iterator[list[int]]:
-        e = self.e
-        try:
-            for token in steps:
-                e.verifier.observe(Verification(0, [token]), 0, CycleTiming(position, 0, 0, 0.0))
-                new = self._emit([token])
-                self.stats.record_cycle(0, 0, len(new))
-                position += len(new)
-                yield new
-                if self._stop_reason is not None:
-                    break
-        finally:
-            steps.close()
-            e.target.crop(position)
-
-    @property
-    def capture(self) -> Capture:
-        return self.e.drafter.info.capture if self.speculating else Capture()
-
-    def _cycle(self, position: int, anchor: int) -> list[int]:
-        e = self.e
-        if self.limit is not None and position >= self.limit:
-            self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
-        k = self._room(position)
-        draft, draft_s = self._draft(anchor, position, k) if self.speculating and k > 0 else (None, 0.0)
-        drafted = 0 if draft is None else draft.num_tokens
-        source = DraftSource.MODEL if draft is None else draft.source
-        n = e.verifier.plan(draft, k, position) if draft is not None else 0
-        if draft is not None and n < draft.num_tokens:
-            draft = draft.truncated(n, e.backend.ops) if n > 0 else None
-        anchor_arr = e.backend.int_array([anchor])
-        block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
-        capture = self.capture
-        out, target_s = self._timed(lambda: e.target.forward(block, capture), "target_s")
-        verification = self._verify(draft, out.logits)
-        accepted = verification.accepted
-        e.target.crop(position + accepted + 1)
-        commit_s = 0.0
-        if self.speculating:
-            _, commit_s = self._timed(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
-        e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s, source))
-        new = self._emit(verification.token_ids)
-        self.stats.record_cycle(n, accepted, len(new), copied=source is DraftSource.LOOKUP)
-        return new
-
-    def _room(self, position: int) -> int:
-        """Most proposals this cycle may verify: the block, what is left to generate, the window."""
-        k = min(self.block - 1, self.max_new - len(self.produced) - 1)
-        return k if self.window is None else min(k, self.window - position - 1)
-
-    def _draft(self, anchor: int, position: int, k: int) -> tuple[Draft | None, float]:
-        """A free proposal (a prompt-lookup copy) if there is one, else the drafter's when the
-        verifier's policy says drafting pays this cycle; and the seconds the drafter took."""
-        e = self.e
-        request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
-        free = e.drafter.propose_free(request)
-        if free is not None or not e.verifier.wants_draft(k, position):
-            return free, 0.0
-        return self._timed(lambda: e.drafter.propose(request), "draft_s")
-
-    def _verify(self, draft, logits):
-        return self.e.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)
-
-    def _emit(self, token_ids: list[int]) -> list[int]:
-        """Commit tokens, cutting at a stop token (kept) and at max_new_tokens / the window."""
-        new: list[int] = []
-        for t in token_ids:
-            new.append(t)
-            self.produced.append(t)
-            if t in self.stop_ids:
-                self._stop_reason = "eos"
-                break
-            if len(self.produced) >= self.max_new:
-                self._stop_reason = "max_new_tokens"
-                break
-            if self.window is not None and len(self.prompt_ids) + len(self.produced) >= self.window:
-                self._stop_reason = "context_length"
-                break
-        return new
-
-    def _timed(self, fn, total: str):
-        """``(fn(), seconds)``; decode-time seconds also go to ``stats.<total>`` when timed.
-        Untimed, the seconds only cover scheduling: lazy backends keep computing after it."""
-        t = time.perf_counter()
-        result = fn()
-        if self.timed:
-            self.e.backend.synchronize()
-        elapsed = time.perf_counter() - t
-        if self.timed and self._t_first is not None:
-            setattr(self.stats, total, getattr(self.stats, total) + elapsed)
-        return result, elapsed
-
-    def finish(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        end = time.perf_counter()
-        s = self.stats
-        s.total_s = end - self._t0
-        if self._t_first is not None:
-            s.ttft_s = s.prefill_s = self._t_first - self._t0
-            s.decode_s = end - self._t_first
-        s.new_tokens = len(self.produced)
-        s.stop_reason = self._stop_reason or "interrupted"
-        s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
-        s.verifier = self.e.verifier.decisions()
-        s.fast_path = self.e.target.fast_path
 
 
 _BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "
