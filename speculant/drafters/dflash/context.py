@@ -73,7 +73,7 @@ class ContextCache:
         """Every buffer (MLX schedules their pending writes with a draft)."""
         return [a for a in (*self.keys, *self.values) if a is not None]
 
-    def slot(self, layer: int) -> "BlockSlot":
+    def slot(self, layer: int) -> BlockSlot:
         return BlockSlot(self, layer)
 
 
