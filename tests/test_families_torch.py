@@ -259,7 +259,7 @@ def _qwen3_moe(path):
 
 
 def _deepseek_v3(path):
-    from speculant.testing.tiny_mtp import build_family_target
+    from speculant.testing.tiny_mtp_families import build_family_target
 
     return build_family_target(path, "deepseek_v3")  # MLA, a dense first layer, then MoE
 

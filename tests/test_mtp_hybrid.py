@@ -21,7 +21,8 @@ import pytest
 import speculant
 from speculant.core.types import Capture, DraftRequest, SamplingParams
 from speculant.api import validate
-from speculant.testing.tiny_mtp import build_bigram_target, build_family_mtp, target_config
+from speculant.testing.tiny_mtp import build_bigram_target, target_config
+from speculant.testing.tiny_mtp_families import build_family_mtp
 
 torch = pytest.importorskip("torch")
 

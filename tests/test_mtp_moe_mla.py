@@ -19,15 +19,8 @@ import pytest
 
 import speculant
 from speculant.api import validate
-from speculant.testing.tiny_mtp import (
-    build_bigram_target,
-    build_family_mtp,
-    build_family_target,
-    copy_target,
-    family_mtp_tensors,
-    target_config,
-    write_mtp,
-)
+from speculant.testing.tiny_mtp import build_bigram_target, copy_target, target_config, write_mtp
+from speculant.testing.tiny_mtp_families import build_family_mtp, build_family_target, family_mtp_tensors
 
 torch = pytest.importorskip("torch")
 
