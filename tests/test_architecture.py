@@ -54,3 +54,10 @@ def test_no_module_reaches_another_speculant_module_by_a_string():
         if re.search(r"import_module\(\s*[\"']speculant", text):
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_no_module_is_over_400_lines():
+    """Modules a newcomer reads top to bottom: split a module before it passes 400 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "speculant").rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
+    assert long == {}
