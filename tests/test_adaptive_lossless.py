@@ -300,3 +300,29 @@ def test_dflash2_confidence_reaches_the_policy_and_greedy_stays_identical(dflash
     # sampled DFlash2 rounds propose sparse q over candidate ids; the adaptive verifier takes them
     result = eng.run(prompt_ids=PROMPTS["short"], max_new_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
     assert result.stats.new_tokens == 30 and any(w > 0 for w in result.stats.verifier["widths"])
+
+
+def test_prompt_lookup_copies_are_verified_whole_and_left_out_of_the_policy(engines, plain_runs, planted_pair):
+    """With prompt lookup on, copy cycles reach the adaptive verifier as LOOKUP drafts: greedy
+    output stays that of plain decoding, every copy is verified whole, and the decision log holds
+    exactly the drafter's and plain cycles."""
+    from speculant.core.types import DraftSource
+
+    eng = engine(planted_pair["target"], planted_pair["draft"], verifier=VARIED, lookup=True)
+    whole, plan = [], eng.verifier.plan
+
+    def record(draft, max_tokens, context_length):
+        n = plan(draft, max_tokens, context_length)
+        if draft.source is DraftSource.LOOKUP:
+            whole.append(n == min(draft.num_tokens, max_tokens))
+        return n
+
+    eng.verifier.plan = record
+    copies = 0
+    for prompt in ([11, 12, 13, 14] * 4, PROMPTS["short"]):
+        result = eng.run(prompt_ids=prompt, max_new_tokens=40, block_size=8, ignore_eos=True)
+        assert result.token_ids == plain_runs(prompt, 40, ignore_eos=True)
+        stats, decisions = result.stats, result.stats.verifier
+        assert len(decisions["widths"]) == len(decisions["actions"]) == stats.verify_steps - stats.lookup_steps
+        copies += stats.lookup_steps
+    assert copies > 0 and len(whole) == copies and all(whole)
