@@ -219,7 +219,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser], add_override_fl
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from speculant.cli import build_config, load_registry
+    from speculant.cli_settings import build_config, load_registry
     from speculant.api import load_engine
 
     if args.max_new_tokens is None:
@@ -227,7 +227,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     config = build_config(args)
     engine = load_engine(config, registry=load_registry(args))
     if not engine.speculative:
-        from speculant.cli import UsageError
+        from speculant.cli_settings import UsageError
 
         raise UsageError("check compares speculative with plain decoding: give a drafter or --lookup")
     prompts = read_prompts(args)[: max(1, args.num_prompts)]
@@ -257,7 +257,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _prompt_file(path: Path) -> list[str]:
-    from speculant.cli import UsageError
+    from speculant.cli_settings import UsageError
 
     try:
         text = path.read_text(encoding="utf-8")

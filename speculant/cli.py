@@ -21,30 +21,12 @@ from typing import Any, Sequence
 from speculant import __version__
 from speculant.core.config import EngineConfig
 from speculant.core.errors import SpeculantError
+from speculant.cli_settings import (  # noqa: F401  (build_config, UsageError: the CLI's public helpers)
+    OVERRIDES, UsageError, add_override_flags, build_config, embedded_config, load_registry, warn,
+)
 
-# generate flag (argparse dest) -> dotted config field it overrides
-OVERRIDES = {
-    "target": "target.path",
-    "draft": "drafter.path",
-    "drafter": "drafter.kind",
-    "block_size": "drafter.block_size",
-    "temperature": "sampling.temperature",
-    "top_p": "sampling.top_p",
-    "top_k": "sampling.top_k",
-    "seed": "sampling.seed",
-    "max_new_tokens": "generation.max_new_tokens",
-    "stop": "generation.stop_strings",
-    "backend": "backend.kind",
-    "device": "backend.device",
-    "dtype": "backend.dtype",
-    "verifier": "verifier.kind",
-}
 INTERRUPTED_EXIT = 130
 INTERRUPTED = threading.Event()  # set by Ctrl-C even where Python swallows the KeyboardInterrupt
-
-
-class UsageError(SpeculantError):
-    """The command line is inconsistent (e.g. no prompt, no model)."""
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -64,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the statistics as JSON on stderr")
     gen.add_argument("--compare", action="store_true",
                      help="then decode the same prompt without the drafter and print the speed-up")
-    _add_override_flags(gen)
+    add_override_flags(gen)
     chat = gen.add_argument_group("chat")
     chat.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     chat.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
@@ -109,79 +91,14 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     """``speculant serve`` / ``export``: in speculant.serve.command (the server's packages load lazily)."""
     from speculant.serve.command import add_parsers
 
-    add_parsers(sub, [common], _add_override_flags)
+    add_parsers(sub, [common], add_override_flags)
 
 
 def _add_check(sub: Any, common: argparse.ArgumentParser) -> None:
     """``speculant check``: parser and command live in speculant.check (array libraries load lazily)."""
     from speculant.check import add_parser
 
-    add_parser(sub, [common], _add_override_flags)
-
-
-def _add_override_flags(gen: argparse.ArgumentParser) -> None:
-    g = gen.add_argument_group("settings (override the config file)")
-    g.add_argument("--target", metavar="DIR", help="target model folder")
-    g.add_argument("--draft", metavar="DIR", help="drafter checkpoint folder (kind defaults to dflash)")
-    g.add_argument("--drafter", metavar="KIND", help="drafter kind, or none for plain decoding")
-    g.add_argument("--block-size", type=int, metavar="N", help="draft block size (anchor + proposals)")
-    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
-    g.add_argument("--top-p", type=float, metavar="P")
-    g.add_argument("--top-k", type=int, metavar="K")
-    g.add_argument("--seed", type=int, metavar="N")
-    g.add_argument("--max-new-tokens", type=int, metavar="N")
-    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--backend", metavar="KIND", help="torch or mlx")
-    g.add_argument("--device", metavar="DEV", help="auto, cpu, cuda, cuda:N, mps, gpu")
-    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, bfloat16, float16")
-    g.add_argument("--verifier", metavar="KIND", help="auto, greedy, speculative_sampling, ...")
-    g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
-                   help="prompt lookup: verify copies of what followed earlier occurrences of the last tokens")
-
-
-# -- shared helpers --------------------------------------------------------------------------
-def load_registry(args: argparse.Namespace):
-    from speculant.api import plugin_registry
-
-    return plugin_registry(args.plugin)
-
-
-def build_config(args: argparse.Namespace) -> EngineConfig:
-    """The config file (paths relative to it) with the command-line flags applied on top."""
-    if args.config:
-        data = EngineConfig.load(args.config).model_dump()
-    elif args.target:
-        data = {}
-    else:
-        data = embedded_config(args)
-    for dest, dotted in OVERRIDES.items():
-        value = getattr(args, dest)
-        if value is not None:
-            section, key = dotted.split(".")
-            data.setdefault(section, {})[key] = value
-    drafter = data.get("drafter", {})
-    if args.draft and drafter.get("kind") in (None, ""):
-        drafter["kind"] = "dflash"
-    if args.lookup is not None:  # keeps min_match / max_match from the config file
-        lookup = drafter.get("lookup")
-        drafter["lookup"] = {**(lookup if isinstance(lookup, dict) else {}), "enabled": args.lookup}
-        data["drafter"] = drafter
-    return EngineConfig.load(data)
-
-
-def embedded_config(args: argparse.Namespace) -> dict[str, Any]:
-    """No config and no --target: the model pair shipped with speculant."""
-    from speculant import embedded
-
-    if not embedded.available():
-        raise UsageError("no model given and the shipped model pair is missing from this install: "
-                         "pass --config engine.toml or --target MODEL_DIR")
-    if args.draft:
-        raise UsageError("--draft needs --target or --config (the shipped pair brings its own drafters)")
-    try:
-        return embedded.engine_config(args.drafter or embedded.DEFAULT_DRAFTER, backend=args.backend)
-    except ValueError as exc:
-        raise UsageError(f"--drafter: {exc}") from None
+    add_parser(sub, [common], add_override_flags)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -200,10 +117,6 @@ def apply_chat_template(tokenizer: Any, prompt: str, system: str | None, thinkin
     messages.append({"role": "user", "content": prompt})
     extra = {} if thinking is None else {"enable_thinking": thinking}
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-
-
-def warn(message: str) -> None:
-    print(f"speculant: warning: {message}", file=sys.stderr)
 
 
 # -- generate --------------------------------------------------------------------------------

@@ -61,3 +61,23 @@ def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "speculant").rglob("*.py"))
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
     assert long == {}
+
+
+def test_the_package_graph_has_no_cycle_and_matches_docs():
+    pytest.importorskip("grimp")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    edges = import_graph.package_edges()
+    remaining, order = set(import_graph.PACKAGES), []
+    while remaining:  # peel packages that import nothing still remaining: fails on a cycle
+        leaves = {p for p in remaining if not any(a == p and b in remaining for a, b in edges)}
+        assert leaves, f"import cycle among {sorted(remaining)}"
+        order += sorted(leaves)
+        remaining -= leaves
+    assert order[0] == "speculant.core"
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert import_graph.mermaid(edges) in doc, "the import graph changed: run python scripts/import_graph.py " \
+                                               "and paste it into docs/architecture.md"

@@ -35,7 +35,7 @@ def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from speculant.cli import UsageError, build_config, load_registry, warn
+    from speculant.cli_settings import UsageError, build_config, load_registry, warn
     from speculant.api import load_engine
 
     try:
@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from speculant.cli import build_config
+    from speculant.cli_settings import build_config
     from speculant.serve.export import export
 
     text, notes = export(build_config(args), args.to)
