@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.types import Draft, SamplingParams, Verification
-from speculant.verifiers.processing import inverse_cdf, target_probs
+from speculant.core.sampling import inverse_cdf, target_probs
 
 MAX_EXACT_TOKEN_ID = 2**24
 
