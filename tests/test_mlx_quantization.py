@@ -69,7 +69,7 @@ def test_sixteen_bit_activations_on_mlx(pair128, mlx_plain):
     import mlx.core as mx
 
     engine = speculant.load_engine(config("mlx", pair128["target"], pair128["draft"], "w4a16:gs64", block=4))
-    assert engine.drafter.dtype == mx.bfloat16
+    assert engine.drafter.net.dtype == mx.bfloat16
     assert engine.drafter.model.norm.weight.dtype == mx.bfloat16
     assert outputs(engine, block_size=4)[1].token_ids == mlx_plain[1]
 
