@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, StaticKV, compile_problem, static_rows, wants_compile
 from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording
@@ -83,6 +84,42 @@ class TorchTarget(TargetModel):
         self._head = model.get_output_embeddings()
         self._logit_transform = logit_transform(model.config)
         self._cache_kwarg = cache_keyword(model)
+        self._static: StaticKV | None = None  # the compiled path's cache, see compiled.py
+        self._steps: CompiledSteps | None = None
+        self._on_static = False  # this request runs on the static cache
+        self._eager_reason = self._plan_fast_path(getattr(backend.config, "compile", "off"))
+
+    def _plan_fast_path(self, setting: str) -> str:
+        """Set up the compiled path where ``backend.compile`` asks for it and the target allows it;
+        otherwise say why the forwards stay eager."""
+        device = self.model.device
+        if not wants_compile(setting, device):
+            return f"eager: backend.compile is {setting!r}" + (f" (auto compiles on CUDA only, not {device.type})"
+                                                               if setting == "auto" else "")
+        problem = compile_problem(self.model, self.info.layer_types)
+        if problem is not None:
+            return f"eager: {problem}"
+        self._static = StaticKV(self.model.config, static_rows(self.model.config))
+        self._steps = CompiledSteps(self._static_step, device)
+        return ""
+
+    @property
+    def fast_path(self) -> str:
+        if self._steps is None:
+            return self._eager_reason
+        return self._steps.describe(self._static.rows)
+
+    def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
+        """Compile, now rather than inside the first requests, the graph of every width a block of
+        ``block_size`` can use (widths 1 .. block_size, padded to powers of two); eager targets: nothing."""
+        if self._steps is None:
+            return
+        self.reset()
+        self.prefill([0], capture)
+        for width in (1 << j for j in range(self._steps.padded_width(block_size).bit_length())):
+            self.forward(self.backend.int_array([0] * width), capture)
+            self.crop(1)
+        self.reset()
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
@@ -92,10 +129,14 @@ class TorchTarget(TargetModel):
 
     @property
     def cache_length(self) -> int:
-        return int(self.cache.get_seq_length())
+        return self._static.length if self._on_static else int(self.cache.get_seq_length())
 
     def reset(self) -> None:
-        self.cache = self._cache_cls(config=self.model.config)
+        self._on_static = self._steps is not None and self._steps.failure is None
+        if self._on_static:
+            self._static.set_length(0)  # rows left by the last request are masked, then overwritten
+        else:
+            self.cache = self._cache_cls(config=self.model.config)
 
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int) -> ForwardOutput:
@@ -113,14 +154,56 @@ class TorchTarget(TargetModel):
         features, final = self._recorder.finish(capture)
         return ForwardOutput(logits=out.logits[0], features=features, final_hidden=final)
 
+    def _static_step(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int = 0):
+        """One forward over the static cache (``ids`` [1, k]): what a compiled graph runs."""
+        self._recorder.start(capture)
+        cache = {self._cache_kwarg: self._static.cache}
+        out = self.model(input_ids=ids, **cache, use_cache=True, logits_to_keep=logits_to_keep)
+        features, final = self._recorder.finish(capture)
+        return out.logits[0], features, final
+
+    @torch.inference_mode()
+    def _run_static(self, ids: torch.Tensor, capture: Capture, compiled: bool, logits_to_keep: int = 0) -> ForwardOutput:
+        try:
+            if compiled:
+                logits, features, final = self._steps(ids, capture)
+            else:
+                logits, features, final = self._static_step(ids[None, :], capture, logits_to_keep)
+        except CompileFailed:  # this request finishes eager over the static cache, later ones on a RollbackCache
+            self._recorder.finish(Capture())
+            self._static.set_length(self._static.length)  # the write position as before the failed call
+            return self._run_static(ids, capture, compiled=False)
+        except BaseException:  # e.g. Ctrl-C inside the forward: stop recording, keep the original error
+            self._recorder.finish(Capture())
+            raise
+        # the write position after this block's own rows (a padded graph moved it past its padding)
+        self._static.set_length(self._static.length + int(ids.shape[0]))
+        return ForwardOutput(logits=logits, features=features, final_hidden=final)
+
+    def _leave_static(self) -> None:
+        """The request outgrew the static cache: it continues eager on a RollbackCache of its rows."""
+        self.cache = self._cache_cls(config=self.model.config)
+        with torch.inference_mode():
+            self._static.copy_into(self.cache)
+        self._on_static = False
+
     def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
         ids = self.backend.int_array(token_ids)
+        if self._on_static and self._static.fits(len(ids)):
+            return self._run_static(ids, capture, compiled=False, logits_to_keep=1)  # prompt lengths vary: eager
+        if self._on_static:  # a prompt longer than the static cache: this request runs eager
+            self._on_static = False
+            self.cache = self._cache_cls(config=self.model.config)
         out = self._run(ids, capture, logits_to_keep=1)
         self.cache.rollback(0)  # sliding / convolution buffers back to what the next forward needs
         return out
 
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
         """Verify a block: the cache keeps what a crop to any prefix of it needs (see rollback.py)."""
+        if self._on_static and not self._static.fits(self._steps.padded_width(int(token_ids.shape[0]))):
+            self._leave_static()
+        if self._on_static:
+            return self._run_static(token_ids, capture, compiled=self._steps.failure is None)
         with self.cache.verifying():
             self.cache.block_length += int(token_ids.shape[0])
             return self._run(token_ids, capture, logits_to_keep=0)
@@ -129,6 +212,9 @@ class TorchTarget(TargetModel):
     def crop(self, length: int) -> None:
         """Roll back to the first ``length`` positions (at most the last block); also trims the
         sliding-window and convolution buffers, so it follows every forward."""
+        if self._on_static:
+            self._static.set_length(min(length, self._static.length))
+            return
         self.cache.rollback(max(0, self.cache_length - length))
 
     @torch.inference_mode()

@@ -1,0 +1,177 @@
+"""The compiled fast path of a PyTorch target: a preallocated KV cache and one ``torch.compile``d
+graph per forward width.
+
+On a small target a forward is dominated by per-operator overhead (Python, dispatch, kernel
+launches), not arithmetic. A compiled graph removes most of it, but only for fixed shapes, so:
+
+- **Static cache.** transformers' ``StaticCache`` holds ``capacity`` rows per layer from the start.
+  Every layer's write position (``cumulative_length``, a tensor at a fixed address) says where the
+  next forward writes; rows after a query's position are masked by the causal mask, so a rollback
+  (``crop``) only moves that position back and the rejected rows are overwritten by the next
+  forward. A new request starts at position 0 over the same buffers.
+- **One graph per width bucket.** A one-token decode step and a verify block are graphs of their
+  own (``dynamic=False``), compiled the first time a width is used and then reused by every later
+  request of the engine. Widths are padded up to a power of two (a block of 5 runs the 8-token
+  graph): the verifiers use every width from 1 to the block (the adaptive one by choice, all of
+  them at the end of a request), and a graph per width would cost a compile each (20-130 s on
+  this CPU) and, on CUDA, a graph pool each. The padding rows are written after the block's own
+  rows, where the next forward overwrites them and the causal mask hides them until then; their
+  logits are dropped. Each bucket's function gets a code object of its own, so
+  dynamo's per-code cache holds exactly one entry per graph: a second entry is a recompilation,
+  which :attr:`CompiledSteps.recompiles` counts (tests assert it stays 0).
+- **Capture.** The forward hooks that keep the requested layers' outputs (``target._Recorder``)
+  run inside the graph; the graph returns them as outputs, so DFlash / DFlash2 / MTP get the same
+  features as from the eager forward (up to float rounding of the fused kernels).
+- **Prefill** stays eager (its length varies), writing into the same static cache.
+- **Overflow.** A request that outgrows the static cache moves its rows into an eager
+  :class:`RollbackCache` and finishes there; the next request is back on the fast path.
+
+On CUDA the graphs are captured as CUDA graphs (``mode="reduce-overhead"``): the static cache
+keeps every address fixed, and outputs are cloned because a replay reuses their memory. This is
+untested here (no GPU was available when it was written).
+
+Not compiled (the target stays on the eager RollbackCache path, and ``fast_path`` says why):
+sliding-window and Gated DeltaNet layers, whose rollback needs past recording / per-position
+recurrent states (``rollback.py``), and any target whose compilation fails.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Callable
+
+import torch
+
+# Where ``backend.compile = "auto"`` compiles. Measured on the shipped 5M-parameter pair on the
+# project's shared 2-core CPU (/tmp-free script in the #23 report, interleaved medians): a compiled
+# width-1 step over a 2048-row static cache ran at 0.95-1.05x the eager DynamicCache step, a width-8
+# verify at 0.7-1.5x, while compiling one width took 20-90 s. On a CPU the saving per forward does
+# not pay for the compile, so "auto" compiles only where kernel launches dominate: CUDA, with graphs.
+AUTO_DEVICES = ("cuda",)
+COMPILED_LAYER_KINDS = ("full_attention",)
+# Rows preallocated per layer: the target's context window, at most this many (a request that
+# grows past it finishes on the eager path). Every step attends over all of them, masked.
+MAX_STATIC_ROWS = 4096
+
+
+def compile_problem(model: torch.nn.Module, layer_types) -> str | None:
+    """Why ``model``'s forwards cannot run compiled over a static cache, or None."""
+    kinds = sorted(set(layer_types or ("full_attention",)) - set(COMPILED_LAYER_KINDS))
+    if kinds:
+        names = {"linear_attention": "linear_attention layers (Gated DeltaNet)",
+                 "sliding_attention": "sliding_attention layers"}
+        what = ", ".join(names.get(kind, f"{kind} layers") for kind in kinds)
+        return f"{what} are not compiled: their rollback needs the eager RollbackCache"
+    from transformers import StaticCache
+
+    try:
+        StaticCache(config=model.config, max_cache_len=8)
+    except Exception as exc:  # a config transformers builds no static cache for
+        return f"transformers builds no static cache for {type(model).__name__}: {exc}"
+    return None
+
+
+def wants_compile(setting: str, device: torch.device) -> bool:
+    return setting == "on" or (setting == "auto" and device.type in AUTO_DEVICES)
+
+
+def static_rows(config) -> int:
+    window = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return min(int(window), MAX_STATIC_ROWS) if window else MAX_STATIC_ROWS
+
+
+class StaticKV:
+    """transformers' StaticCache with a host-side length and a rollback that only moves the write position."""
+
+    def __init__(self, config, rows: int) -> None:
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=config, max_cache_len=rows)
+        self.rows = rows
+        self.length = 0
+
+    def set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)  # in place: the graphs read it at a fixed address
+        self.length = length
+
+    def fits(self, width: int) -> bool:
+        return self.length + width <= self.rows
+
+    def copy_into(self, cache) -> None:
+        """Append this cache's first ``length`` rows to an (empty) dynamic ``cache``."""
+        for index, layer in enumerate(self.cache.layers):
+            keys, values = layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
+            cache.update(keys.clone(), values.clone(), index)
+
+
+class CompileFailed(RuntimeError):
+    """A width's graph could not be compiled (the reason is in ``CompiledSteps.failure``)."""
+
+
+class CompiledSteps:
+    """``torch.compile``d forwards over a :class:`StaticKV`, one per (width, capture), built lazily."""
+
+    def __init__(self, step: Callable, device: torch.device) -> None:
+        self._step = step  # step(ids [1, k], capture) -> (logits, features, final): the eager forward
+        self._graphs: dict[tuple, Callable] = {}
+        self._codes: list[types.CodeType] = []
+        self.widths: set[int] = set()
+        self.compile_s = 0.0
+        self.failure: str | None = None
+        self._cuda = device.type == "cuda"
+        self._options = {"mode": "reduce-overhead"} if self._cuda else {}
+
+    @staticmethod
+    def padded_width(width: int) -> int:
+        return 1 << (width - 1).bit_length()
+
+    def __call__(self, ids: torch.Tensor, capture):
+        width = int(ids.shape[0])
+        padded = self.padded_width(width)
+        # padding: any token id will do, its rows are never read. Always a new tensor made here,
+        # under inference mode, so that every call's input has the same dispatch keys (a tensor
+        # made outside inference mode would fail the graph's guards and recompile it)
+        ids = torch.cat([ids, ids[-1:].expand(padded - width)])
+        key = (padded, capture)
+        graph = self._graphs.get(key)
+        out = self._first_call(key, ids, capture) if graph is None else graph(ids[None, :])
+        return tuple(None if x is None else (x[:width].clone() if self._cuda else x[:width]) for x in out)
+
+    def _first_call(self, key, ids, capture):
+        """Compile the width's graph (the first call traces and compiles), timed."""
+        step = self._step
+
+        def run(batch):
+            return step(batch, capture)
+
+        # a code object of its own: dynamo caches per code object, so widths never share an entry
+        run = types.FunctionType(run.__code__.replace(), run.__globals__, f"width_{key[0]}", None, run.__closure__)
+        graph = torch.compile(run, fullgraph=True, dynamic=False, **self._options)
+        started = time.perf_counter()
+        try:
+            out = graph(ids[None, :])
+        except Exception as exc:  # dynamo / inductor refused the forward: nothing of it ran
+            self.failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            raise CompileFailed(self.failure) from exc
+        finally:
+            self.compile_s += time.perf_counter() - started
+        self._graphs[key] = graph
+        self._codes.append(run.__code__)
+        self.widths.add(key[0])
+        return out
+
+    @property
+    def recompiles(self) -> int:
+        """Cache entries beyond one per compiled graph (a graph dynamo had to build again)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return sum(max(0, len(_debug_get_cache_entry_list(code)) - 1) for code in self._codes)
+
+    def describe(self, rows: int) -> str:
+        if self.failure is not None:
+            return f"eager: compiling failed ({self.failure})"
+        widths = ", ".join(str(w) for w in sorted(self.widths)) or "none yet"
+        return f"compiled: widths {widths}; static cache {rows}; compile {self.compile_s:.1f} s"

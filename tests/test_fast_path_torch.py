@@ -1,0 +1,130 @@
+"""The compiled fast path of the PyTorch target (backends/torch/compiled.py): a static KV cache
+rolled back by moving its write position, one torch.compile'd graph per width bucket, warmed once
+per engine; and the eager fallback, with its reason, where a target cannot be compiled.
+
+Compiling takes 20-130 s per width on the shared test CPU, so the compiled engine is built once
+per module and its tests are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import speculant
+from speculant.core.types import Capture
+
+BLOCK = 4
+PROMPTS = {"short": [5, 6, 7], "other": [40, 41, 42, 43, 44, 45]}
+NEW = 40
+
+
+def config(target, draft=None, compile="on"):
+    cfg = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32", "compile": compile},
+           "target": {"path": str(target)}}
+    if draft is not None:  # every cycle drafts a full block: rejections at every position happen
+        cfg["drafter"] = {"kind": "dflash", "path": str(draft), "block_size": BLOCK}
+        cfg["verifier"] = {"kind": "speculative_sampling"}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, torch_threads):
+    from speculant.testing.tiny import build_tiny_dflash, build_tiny_target
+
+    root = tmp_path_factory.mktemp("fast_path")
+    target = build_tiny_target(root / "target", seed=0, planted=7.5)
+    return target, build_tiny_dflash(root / "draft", target, seed=7, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def eager(pair):
+    return speculant.load_engine(config(pair[0], compile="off"))
+
+
+@pytest.fixture(scope="module")
+def compiled(pair):
+    engine = speculant.load_engine(config(*pair))
+    engine.target.warm_up(BLOCK, engine.drafter.info.capture)  # widths 1, 2, 4, compiled once
+    return engine
+
+
+def test_auto_stays_eager_on_cpu_and_says_why(pair):
+    engine = speculant.load_engine(config(pair[0], compile="auto"))
+    assert engine.target.fast_path == "eager: backend.compile is 'auto' (auto compiles on CUDA only, not cpu)"
+    stats = engine.run(prompt_ids=PROMPTS["short"], max_new_tokens=3).stats
+    assert stats.fast_path == engine.target.fast_path
+
+
+def test_hybrid_target_falls_back_to_eager_with_the_reason(tmp_path, torch_threads):
+    from speculant.testing.tiny_families import build_tiny_family
+
+    path = build_tiny_family(tmp_path / "hybrid", "qwen3_5")
+    on = speculant.load_engine(config(path, compile="on"))
+    off = speculant.load_engine(config(path, compile="off"))
+    assert on.target.fast_path.startswith("eager: linear_attention layers (Gated DeltaNet) are not compiled")
+    result = on.run(prompt_ids=PROMPTS["short"], max_new_tokens=12, ignore_eos=True)
+    assert result.stats.fast_path == on.target.fast_path
+    assert result.token_ids == off.run(prompt_ids=PROMPTS["short"], max_new_tokens=12, ignore_eos=True).token_ids
+
+
+@pytest.mark.slow
+def test_compiled_forward_and_rollback_match_eager(eager, compiled):
+    """Logits and captured features of the compiled graphs equal the eager forward's, before and
+    after rollbacks to every prefix of a block (a write position off by one changes them)."""
+    capture = compiled.drafter.info.capture
+    assert capture.layer_ids  # DFlash reads target layers: the graphs must return them
+    fast, slow = compiled.target, eager.target
+    prompt = PROMPTS["other"]
+    block = fast.backend.int_array([9, 10, 11, 12])
+    for target in (fast, slow):
+        target.reset()
+        target.prefill(prompt, capture)
+    for kept in (3, 1, 4, 2):  # accept a prefix, then verify the next block from there
+        outs = [target.forward(block, capture) for target in (fast, slow)]
+        for field in ("logits", "features"):
+            a, b = (getattr(out, field) for out in outs)
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for target in (fast, slow):
+            target.crop(target.cache_length - BLOCK + kept)
+        assert fast.cache_length == slow.cache_length
+    single = [target.forward(block[:1], Capture(final_hidden="post_norm")) for target in (fast, slow)]
+    torch.testing.assert_close(single[0].final_hidden, single[1].final_hidden, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_compiled_speculative_and_plain_equal_eager_plain(eager, compiled, prompt):
+    ids = PROMPTS[prompt]
+    expected = eager.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True).token_ids
+    result = compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    assert result.token_ids == expected
+    accepted = result.stats.acceptance_lengths
+    assert min(accepted) < BLOCK and max(accepted) > 1  # partial rejections: rollbacks inside blocks
+    assert result.stats.fast_path.startswith("compiled: widths 1, 2, 4; static cache 512; compile ")
+    plain = compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True, block_size=1)  # width-1 graph only
+    assert plain.token_ids == expected and plain.stats.verify_steps == NEW - 1
+
+
+@pytest.mark.slow
+def test_a_request_that_outgrows_the_static_cache_finishes_eager(eager, compiled):
+    prompt = [(7 * i) % 300 + 3 for i in range(500)]  # 500 + 12 rows: the static cache holds 512
+    expected = eager.run(prompt_ids=prompt, max_new_tokens=11, ignore_eos=True).token_ids
+    assert compiled.run(prompt_ids=prompt, max_new_tokens=11, ignore_eos=True).token_ids == expected
+    assert compiled.run(prompt_ids=PROMPTS["short"], max_new_tokens=4).stats.fast_path.startswith("compiled")
+    assert compiled.target._on_static  # the next request is back on the static cache
+
+
+@pytest.mark.slow
+def test_later_requests_compile_nothing(compiled):
+    from torch._dynamo.utils import counters
+
+    steps = compiled.target._steps
+    compiled.run(prompt_ids=PROMPTS["short"], max_new_tokens=NEW, ignore_eos=True)
+    before = (dict(counters["stats"]), steps.compile_s, set(steps.widths))
+    for ids in PROMPTS.values():
+        compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True, block_size=1)
+    assert (dict(counters["stats"]), steps.compile_s, set(steps.widths)) == before
+    assert steps.recompiles == 0
