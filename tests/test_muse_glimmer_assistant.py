@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from transformers.generation import candidate_generator  # noqa: E402
 
 import speculant  # noqa: E402
-from speculant.core.validator import validate  # noqa: E402
+from speculant.api import validate  # noqa: E402
 from engine_recording import run_recording_proposals  # noqa: E402
 
 NEW_TOKENS = 64
