@@ -92,3 +92,34 @@ def test_engine_plain_output_unchanged(engine):
     reference = [first] + stepwise(target, backend, first, NEW - 1)
     result = engine.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
     assert result.token_ids == reference
+
+
+def test_compile_auto_stays_eager_on_the_cpu(engine):
+    assert "eager forwards (backend.compile=auto" in engine.target.fast_path
+    assert "compiled" not in type(engine.target._inner.layers[0].module.mlp).__name__.lower()
+
+
+def test_compiled_feed_forwards_give_the_same_forwards(engine):
+    """backend.compile=on: every layer's feed-forward block runs compiled (one trace per width),
+    and plain steps, a verify block and the pipelined steps give the eager target's results."""
+    from speculant.backends.mlx.compiled import CompiledBlock
+
+    compiled = speculant.load_engine(config(engine.config.target.path, compile="on"))
+    layers = compiled.target._inner.layers
+    assert "compiled" in compiled.target.fast_path
+    assert all(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
+    ids, block = prompt(), [7, 9, 11, 13, 15]
+    logits = []
+    for e in (engine, compiled):
+        e.target.reset()
+        e.target.prefill(ids)
+        logits.append(np.array(e.target.forward(e.backend.int_array(block)).logits))
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    target, backend = compiled.target, compiled.backend
+    target.reset()
+    first = argmax(target.prefill(ids).logits)
+    got = [first] + pipelined(target, first, NEW // 2)
+    got += stepwise(target, backend, got[-1], NEW - len(got) + 1)
+    engine.target.reset()
+    first = argmax(engine.target.prefill(ids).logits)
+    assert got == [first] + stepwise(engine.target, engine.backend, first, NEW)

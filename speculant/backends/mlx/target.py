@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from speculant.backends.mlx import families
+from speculant.backends.mlx import compiled, families
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
@@ -117,6 +117,8 @@ class MLXTarget(TargetModel):
         self._logit_transform = families.logit_transform(model)
         self._length = 0
         self.cache = self._new_cache()
+        config = getattr(backend, "config", None)
+        self.fast_path = compiled.apply(self._inner.layers, getattr(config, "compile", "auto"), backend.device)
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":

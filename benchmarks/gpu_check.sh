@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# GPU check for the fast path (#23): the reference dflash 0.1.0 loop and speculant on the same
+# weights (the shipped pair and a random ~226M-parameter pair (--hidden 1536 --layers 8)), on a CUDA GPU, through
+# benchmarks/fast_path.py: tokens/s per arm, the ratios and whether the tokens are identical.
+#
+#   benchmarks/gpu_check.sh                       # CUDA, installs into .gpu-venv / .gpu-ref-venv
+#   benchmarks/gpu_check.sh --device cpu --small  # the same steps on a CPU, a smoke-sized run
+#   benchmarks/gpu_check.sh --no-install ...      # use the python on PATH (speculant[torch] installed)
+#
+# Needs only a package registry (pip). Two environments:
+#   .gpu-venv      pip install -e ".[torch,bench]" (the registry's default torch: a CUDA build on
+#                  Linux x86-64).
+#   .gpu-ref-venv  the reference: transformers 5.15.0 (dflash 0.1.0 needs it; speculant runs a newer
+#                  one) and dflash 0.1.0, installed --no-deps, with secondary pins from
+#                  tests/reference/constraints.txt; it reads torch from .gpu-venv through a .pth
+#                  file placed after its own site-packages, so the large CUDA torch is installed once.
+# Environment: PYTHON (default python3), REPEATS (3), MAX_NEW (64), COMPILE (auto), DTYPE (float32),
+# SPECULANT_GPU_VENV, SPECULANT_REF_VENV. Every other argument goes to fast_path.py.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+VENV="${SPECULANT_GPU_VENV:-$ROOT/.gpu-venv}"
+REF="${SPECULANT_REF_VENV:-$ROOT/.gpu-ref-venv}"
+DEVICE=cuda
+INSTALL=1
+PASS=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --device) DEVICE="$2"; shift 2 ;;
+        --no-install) INSTALL=0; shift ;;
+        *) PASS+=("$1"); shift ;;
+    esac
+done
+log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+START=$(date +%s)
+
+if [[ "$INSTALL" == 1 ]]; then
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        log "creating $VENV"
+        "$PYTHON" -m venv "$VENV"
+    fi
+    log "installing speculant[torch,bench] into $VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[torch,bench]"
+    PY="$VENV/bin/python"
+else
+    PY="$(command -v python)"
+fi
+
+# The reference venv: its own transformers 5.15 first, then this environment's site-packages (torch).
+if [[ ! -x "$REF/bin/python" ]]; then
+    log "creating $REF"
+    "$PY" -m venv --without-pip "$REF" 2>/dev/null || "$PYTHON" -m venv --without-pip "$REF"
+fi
+REF_SITE="$("$REF/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$REF_SITE/zz_speculant_torch.pth"
+if ! "$REF/bin/python" -c 'import transformers, dflash, sys; sys.exit(not transformers.__version__.startswith("5.15."))' 2>/dev/null; then
+    log "installing transformers 5.15.0 and dflash 0.1.0 into $REF"
+    PINS=$(grep -v '^#' tests/reference/constraints.txt | grep -E '^(huggingface-hub|tokenizers|safetensors)==' || true)
+    # shellcheck disable=SC2086  (one pin per word)
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$REF_SITE" --upgrade \
+        "transformers==5.15.0" "dflash==0.1.0" $PINS
+fi
+"$REF/bin/python" - <<'EOF'
+import torch, transformers
+from dflash.model import dflash_generate  # noqa: F401
+assert transformers.__version__.startswith("5.15."), transformers.__version__
+print(f"[gpu_check] reference: torch {torch.__version__} (cuda {torch.version.cuda}), transformers {transformers.__version__}")
+EOF
+
+"$PY" - "$DEVICE" <<'EOF'
+import sys, torch
+device = sys.argv[1]
+if device.startswith("cuda"):
+    assert torch.cuda.is_available(), "no CUDA device visible to torch; run with --device cpu to check the steps"
+    print(f"[gpu_check] {torch.cuda.get_device_name(0)}, torch {torch.__version__} (cuda {torch.version.cuda})")
+else:
+    print(f"[gpu_check] device {device}, torch {torch.__version__}")
+EOF
+log "set up in $(( $(date +%s) - START )) s; running benchmarks/fast_path.py"
+
+SPECULANT_REF_VENV="$REF" "$PY" benchmarks/fast_path.py --backend torch --device "$DEVICE" \
+    --dtype "${DTYPE:-float32}" --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW:-64}" \
+    --compile "${COMPILE:-auto}" --pairs shipped,mid --hidden 1536 --layers 8 "${PASS[@]}"
+log "done in $(( $(date +%s) - START )) s"
