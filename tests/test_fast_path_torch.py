@@ -140,3 +140,21 @@ def test_later_requests_compile_nothing(compiled, compiled_plain):
     assert [(e.target._steps.compile_s, set(e.target._steps.widths)) for e in engines] == before
     assert dict(counters["stats"]) == graphs and graphs["unique_graphs"] >= 4
     assert [e.target._steps.recompiles for e in engines] == [0, 0]
+
+
+@pytest.mark.slow
+def test_greedy_steps_yield_the_plain_greedy_tokens(eager, compiled_plain):
+    ids = PROMPTS["short"]
+    expected = eager.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True).token_ids
+    assert eager.target.greedy_steps(expected[0]) is None  # eager targets: the engine's own loop
+    target = compiled_plain.target
+    target.reset()
+    first = int(torch.argmax(target.prefill(ids).logits[-1]))
+    steps = target.greedy_steps(first)
+    got = [first] + [next(steps) for _ in range(NEW - 1)]
+    steps.close()
+    assert got == expected
+    assert target.cache_length == len(ids) + NEW  # one step ahead of the last token read
+    target.crop(len(ids) + NEW - 1)
+    assert int(torch.argmax(target.forward(target.backend.int_array(got[-1:])).logits[-1])) == \
+        compiled_plain.run(prompt_ids=ids, max_new_tokens=NEW + 1, ignore_eos=True).token_ids[-1]

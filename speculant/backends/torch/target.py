@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -207,6 +207,27 @@ class TorchTarget(TargetModel):
         with self.cache.verifying():
             self.cache.block_length += int(token_ids.shape[0])
             return self._run(token_ids, capture, logits_to_keep=0)
+
+    def greedy_steps(self, anchor_id: int) -> Iterator[int] | None:
+        """Plain greedy decoding on the compiled path: the width-1 graph's argmax stays on the
+        device and is fed back as the next input; the next step is queued before the host reads
+        the current token (on CUDA the GPU then runs while the engine handles it). It runs one step
+        ahead, so the cache holds one position more than was yielded until the engine crops it.
+        None off the compiled path (the engine's own loop)."""
+        if not (self._on_static and self._steps.failure is None):
+            return None
+        return self._greedy(anchor_id)
+
+    @torch.inference_mode()
+    def _greedy(self, anchor_id: int) -> Iterator[int]:
+        pending = self._argmax_step(self.backend.int_array([anchor_id]))
+        while True:
+            ahead = self._argmax_step(pending)
+            yield int(pending)
+            pending = ahead
+
+    def _argmax_step(self, token: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(self.forward(token).logits[-1:], dim=-1)
 
     @torch.inference_mode()
     def crop(self, length: int) -> None:
