@@ -3,16 +3,16 @@
 # weights (the shipped pair and a random ~226M-parameter pair (--hidden 1536 --layers 8)), on a CUDA GPU, through
 # benchmarks/fast_path.py: tokens/s per arm, the ratios and whether the tokens are identical.
 #
-#   benchmarks/gpu_check.sh                       # CUDA, installs into .gpu-venv / .gpu-ref-venv
+#   benchmarks/gpu_check.sh                       # CUDA; installs into ~/.cache/speculant-gpu-check
 #   benchmarks/gpu_check.sh --device cpu --small  # the same steps on a CPU, a smoke-sized run
 #   benchmarks/gpu_check.sh --no-install ...      # use the python on PATH (speculant[torch] installed)
 #
 # Needs only a package registry (pip). Two environments:
-#   .gpu-venv      pip install -e ".[torch,bench]" (the registry's default torch: a CUDA build on
+#   venv           pip install -e ".[torch,bench]" (the registry's default torch: a CUDA build on
 #                  Linux x86-64).
-#   .gpu-ref-venv  the reference: transformers 5.15.0 (dflash 0.1.0 needs it; speculant runs a newer
+#   ref-venv       the reference: transformers 5.15.0 (dflash 0.1.0 needs it; speculant runs a newer
 #                  one) and dflash 0.1.0, installed --no-deps, with secondary pins from
-#                  tests/reference/constraints.txt; it reads torch from .gpu-venv through a .pth
+#                  tests/reference/constraints.txt; it reads torch from the first venv through a .pth
 #                  file placed after its own site-packages, so the large CUDA torch is installed once.
 # Environment: PYTHON (default python3), REPEATS (3), MAX_NEW (64), COMPILE (auto), DTYPE (float32),
 # SPECULANT_GPU_VENV, SPECULANT_REF_VENV. Every other argument goes to fast_path.py.
@@ -21,8 +21,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
-VENV="${SPECULANT_GPU_VENV:-$ROOT/.gpu-venv}"
-REF="${SPECULANT_REF_VENV:-$ROOT/.gpu-ref-venv}"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/speculant-gpu-check"  # outside the work tree
+VENV="${SPECULANT_GPU_VENV:-$CACHE/venv}"
+REF="${SPECULANT_REF_VENV:-$CACHE/ref-venv}"
 DEVICE=cuda
 INSTALL=1
 PASS=()
@@ -35,6 +36,7 @@ while [[ $# -gt 0 ]]; do
 done
 log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 START=$(date +%s)
+mkdir -p "$CACHE"
 
 if [[ "$INSTALL" == 1 ]]; then
     if [[ ! -x "$VENV/bin/python" ]]; then
