@@ -14,8 +14,12 @@ warmed first (every width bucket of the block), and their compile seconds are pr
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+
+# PyTorch's OpenMP workers spin after every op by default: on a shared machine that starves them.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main() -> None:
@@ -64,13 +68,26 @@ def main() -> None:
     for made in arms.values():  # first-call costs stay out of the timings
         made.run(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
     generate(4)
-    rates: dict[str, list[float]] = {name: [] for name in [*arms, "transformers generate"]}
+    def greedy_steps(n: int) -> tuple[float, list[int]]:
+        """The compiled plain target's ``greedy_steps`` loop (what a pipelining engine would run)."""
+        target = arms["plain on"].target
+        target.reset()
+        first = int(torch.argmax(target.prefill(prompt).logits[-1]))
+        started = time.perf_counter()
+        steps = target.greedy_steps(first)
+        produced = [first] + [next(steps) for _ in range(n - 1)]
+        steps.close()
+        return (n - 1) / (time.perf_counter() - started), produced
+
+    rates: dict[str, list[float]] = {name: [] for name in [*arms, "plain on greedy_steps", "transformers generate"]}
     tokens: dict[str, list[int]] = {}
     for repeat in range(args.repeats):
         for name, made in arms.items():
             result = made.run(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
             rates[name].append(result.stats.decode_tokens_per_s)
             tokens[name] = result.token_ids
+        rate, tokens["plain on greedy_steps"] = greedy_steps(args.max_new_tokens)
+        rates["plain on greedy_steps"].append(rate)
         full, tokens["transformers generate"] = generate(args.max_new_tokens)
         first, _ = generate(1)
         rates["transformers generate"].append((args.max_new_tokens - 1) / (full - first))

@@ -109,17 +109,22 @@ def test_compiled_speculative_and_plain_equal_eager_plain(eager, compiled, compi
     assert result.token_ids == expected
     accepted = result.stats.acceptance_lengths
     assert min(accepted) < BLOCK and max(accepted) > 1  # partial rejections: rollbacks inside blocks
-    assert result.stats.fast_path.startswith("compiled: widths 1, 2, 4; static cache 512; compile ")
+    assert result.stats.fast_path.startswith("compiled: widths 1, 2, 4; static cache 256; compile ")
     plain = compiled_plain.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
     assert plain.token_ids == expected
-    assert plain.stats.fast_path.startswith("compiled: widths 1; static cache 512; compile ")
+    assert plain.stats.fast_path.startswith("compiled: widths 1; static cache 256; compile ")
 
 
 @pytest.mark.slow
-def test_a_request_that_outgrows_the_static_cache_finishes_eager(eager, compiled):
-    prompt = [(7 * i) % 300 + 3 for i in range(500)]  # 500 + 12 rows: the static cache holds 512
-    expected = eager.run(prompt_ids=prompt, max_new_tokens=11, ignore_eos=True).token_ids
-    assert compiled.run(prompt_ids=prompt, max_new_tokens=11, ignore_eos=True).token_ids == expected
+def test_requests_that_outgrow_the_static_cache(eager, compiled):
+    """The CPU cache starts at 256 rows: 250 + 40 rows grow it to 512 (compiled anew) mid-request;
+    500 + 12 rows outgrow the context window's 512, so that request finishes eager."""
+    for length, new in ((250, 40), (500, 11)):
+        prompt = [(7 * i) % 300 + 3 for i in range(length)]
+        expected = eager.run(prompt_ids=prompt, max_new_tokens=new, ignore_eos=True).token_ids
+        result = compiled.run(prompt_ids=prompt, max_new_tokens=new, ignore_eos=True)
+        assert result.token_ids == expected
+        assert "static cache 512" in result.stats.fast_path
     assert compiled.run(prompt_ids=PROMPTS["short"], max_new_tokens=4).stats.fast_path.startswith("compiled")
     assert compiled.target._on_static  # the next request is back on the static cache
 
@@ -129,6 +134,7 @@ def test_later_requests_compile_nothing(compiled, compiled_plain):
     from torch._dynamo.utils import counters
 
     engines = (compiled, compiled_plain)
+    compiled.target.warm_up(BLOCK, compiled.drafter.info.capture)  # again if the cache grew before
     for engine in engines:
         engine.run(prompt_ids=PROMPTS["short"], max_new_tokens=NEW, ignore_eos=True)
     before = [(e.target._steps.compile_s, set(e.target._steps.widths)) for e in engines]

@@ -99,7 +99,8 @@ class TorchTarget(TargetModel):
         problem = compile_problem(self.model, self.info.layer_types)
         if problem is not None:
             return f"eager: {problem}"
-        self._static = StaticKV(self.model.config, static_rows(self.model.config))
+        rows, self._max_rows = static_rows(self.model.config, device)
+        self._static = StaticKV(self.model.config, rows)
         self._steps = CompiledSteps(self._static_step, device)
         return ""
 
@@ -180,8 +181,17 @@ class TorchTarget(TargetModel):
         self._static.set_length(self._static.length + int(ids.shape[0]))
         return ForwardOutput(logits=logits, features=features, final_hidden=final)
 
-    def _leave_static(self) -> None:
-        """The request outgrew the static cache: it continues eager on a RollbackCache of its rows."""
+    def _outgrown(self, width: int) -> None:
+        """The request outgrew the static cache: a cache twice as large (compiled anew) holds its
+        rows, or, past the largest size, it continues eager on a RollbackCache of them."""
+        rows = self._static.rows
+        while rows < self._max_rows and self._static.length + width > rows:
+            rows = min(2 * rows, self._max_rows)
+        if self._static.length + width <= rows:
+            with torch.inference_mode():
+                self._static = self._static.grown(self.model.config, rows)
+            self._steps.forget_graphs()
+            return
         self.cache = self._cache_cls(config=self.model.config)
         with torch.inference_mode():
             self._static.copy_into(self.cache)
@@ -189,19 +199,19 @@ class TorchTarget(TargetModel):
 
     def prefill(self, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
         ids = self.backend.int_array(token_ids)
-        if self._on_static and self._static.fits(len(ids)):
+        if self._on_static and not self._static.fits(len(ids)):
+            self._outgrown(len(ids))
+        if self._on_static:
             return self._run_static(ids, capture, compiled=False, logits_to_keep=1)  # prompt lengths vary: eager
-        if self._on_static:  # a prompt longer than the static cache: this request runs eager
-            self._on_static = False
-            self.cache = self._cache_cls(config=self.model.config)
         out = self._run(ids, capture, logits_to_keep=1)
         self.cache.rollback(0)  # sliding / convolution buffers back to what the next forward needs
         return out
 
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
         """Verify a block: the cache keeps what a crop to any prefix of it needs (see rollback.py)."""
-        if self._on_static and not self._static.fits(self._steps.padded_width(int(token_ids.shape[0]))):
-            self._leave_static()
+        width = self._steps.padded_width(int(token_ids.shape[0])) if self._on_static else 0
+        if self._on_static and not self._static.fits(width):
+            self._outgrown(width)
         if self._on_static:
             return self._run_static(token_ids, capture, compiled=self._steps.failure is None)
         with self.cache.verifying():
