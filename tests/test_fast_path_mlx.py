@@ -84,14 +84,21 @@ def test_greedy_steps_equal_the_plain_loop_and_crop_back(engine):
     assert len(set(reference)) > 3  # a degenerate target would hide a wrong feed
 
 
-def test_engine_plain_output_unchanged(engine):
-    """The engine's plain decoding (whichever path it takes) gives the step-by-step tokens."""
+def test_engine_plain_greedy_takes_the_pipelined_path(engine):
+    """The engine's plain greedy requests run through greedy_steps and give the step-by-step tokens."""
     target, backend, ids = engine.target, engine.backend, prompt()
     target.reset()
     first = argmax(target.prefill(ids).logits)
     reference = [first] + stepwise(target, backend, first, NEW - 1)
-    result = engine.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    calls = []
+    target.greedy_steps = lambda anchor: calls.append(anchor) or type(target).greedy_steps(target, anchor)
+    try:
+        result = engine.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    finally:
+        del target.greedy_steps
+    assert calls == [first]
     assert result.token_ids == reference
+    assert target.cache_length == PROMPT + NEW - 1  # cropped back: the last token is the next anchor
 
 
 def test_compile_auto_stays_eager_on_the_cpu(engine):
