@@ -47,10 +47,13 @@ from typing import Callable
 import torch
 
 # Where ``backend.compile = "auto"`` compiles. Measured on the shipped 5M-parameter pair on the
-# project's shared 2-core CPU (/tmp-free script in the #23 report, interleaved medians): a compiled
-# width-1 step over a 2048-row static cache ran at 0.95-1.05x the eager DynamicCache step, a width-8
-# verify at 0.7-1.5x, while compiling one width took 20-90 s. On a CPU the saving per forward does
-# not pay for the compile, so "auto" compiles only where kernel launches dominate: CUDA, with graphs.
+# project's shared 2-core CPU (benchmarks/compile_torch.py --threads 1, bf16, 96 new tokens, medians
+# of 5 interleaved repeats, 2026-12-02): compiled plain decoding ran 1.35x eager plain (1.43x through
+# greedy_steps), compiled DFlash 1.31x eager DFlash, but compiling cost 23 s for width 1 and 101 s
+# for widths 1-8 (64-339 s when the machine was busier). That pays only after minutes of decoding
+# (a server), not for a one-shot generation or a test run, so on a CPU "auto" stays eager and
+# "on" is the choice for long-lived engines. "auto" compiles where launches dominate a small
+# model's forward and CUDA graphs remove them: CUDA (not measured here; no GPU was available).
 AUTO_DEVICES = ("cuda",)
 COMPILED_LAYER_KINDS = ("full_attention",)
 # Rows preallocated per layer: at most the target's context window and MAX_STATIC_ROWS (a request
