@@ -89,3 +89,28 @@ def test_context_cache_joins_blocks_in_place_as_concatenation_would(window):
         if not any(b is cache.keys[0] for b in buffers):
             buffers.append(cache.keys[0])
     assert len(buffers) <= 8  # reallocated now and then (36 cycles here), not every cycle
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_context_cache_writes_the_same_rows_in_place_on_mlx(window):
+    """The one cache on MLX arrays ([1, kv_heads, n, hd], written by slice assignment): the same
+    commits and joins give the same keys/values and positions as on torch tensors."""
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+
+    from speculant.drafters.dflash.mlx import allocate as mlx_allocate
+
+    gen = torch.Generator().manual_seed(1)
+    on_torch, on_mlx = ContextCache([window], allocate), ContextCache([window], mlx_allocate)
+    position = 0
+    for n in [7, 1, 3, 30, 1, 64, 2, 5]:
+        k, v = torch.randn(2, n, 4, generator=gen), torch.randn(2, n, 4, generator=gen)
+        on_torch.append(0, k, v, position, reserve=4)
+        on_mlx.append(0, mx.array(k.numpy())[None], mx.array(v.numpy())[None], position, reserve=4)
+        position += n
+        block_k, block_v = torch.randn(2, 4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
+        want = on_torch.slot(0).join(block_k, block_v)
+        got = on_mlx.slot(0).join(mx.array(block_k.numpy())[None], mx.array(block_v.numpy())[None])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.array(g[0]), w.numpy())
+        assert (on_mlx.starts, on_mlx.length(0)) == (on_torch.starts, on_torch.length(0))
