@@ -217,9 +217,11 @@ def build_arms(args, backend: str, pair: str, paths, worker: ReferenceWorker | N
 def measure(args, groups: dict) -> dict:
     """{group: {arm: {"rates": [...], "tokens": first run's tokens}}}, round-robin over repeats."""
     results = {g: {name: {"rates": [], "tokens": None} for name in arms} for g, (arms, _) in groups.items()}
-    for (arms, prompt) in groups.values():  # warm-up: first-call costs stay out of the timings
+    # Warm-up: one untimed run of each arm on the timed prompt and length, so that every verify
+    # width a compiled backend traces (and MLX's first-call costs) stays out of the timings.
+    for (arms, prompt) in groups.values():
         for arm in arms.values():
-            arm.run(prompt[:16], 4)
+            arm.run(prompt, args.max_new_tokens)
     for repeat in range(args.repeats):
         for g, (arms, prompt) in groups.items():
             for name, arm in arms.items():
