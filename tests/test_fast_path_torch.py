@@ -116,6 +116,25 @@ def test_compiled_speculative_and_plain_equal_eager_plain(eager, compiled, compi
 
 
 @pytest.mark.slow
+def test_growing_the_static_cache_keeps_its_rows(eager, compiled):
+    capture = compiled.drafter.info.capture
+    fast, slow = compiled.target, eager.target
+    assert fast._static.rows == 256  # the CPU's first size; this test grows it
+    prompt = [(7 * i) % 300 + 3 for i in range(250)]
+    block = fast.backend.int_array([9, 10, 11, 12])
+    for target in (fast, slow):
+        target.reset()
+        target.prefill(prompt, capture)
+    for _ in range(3):  # rows 250 -> 253 -> 256 -> 259: the third block needs the larger cache
+        outs = [target.forward(block, capture) for target in (fast, slow)]
+        for field in ("logits", "features"):
+            torch.testing.assert_close(*(getattr(out, field) for out in outs), rtol=1e-4, atol=1e-4)
+        for target in (fast, slow):
+            target.crop(target.cache_length - 1)
+    assert fast._static.rows == 512 and fast.cache_length == slow.cache_length == 259
+
+
+@pytest.mark.slow
 def test_requests_that_outgrow_the_static_cache(eager, compiled):
     """The CPU cache starts at 256 rows: 250 + 40 rows grow it to 512 (compiled anew) mid-request;
     500 + 12 rows outgrow the context window's 512, so that request finishes eager."""
