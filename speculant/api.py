@@ -49,14 +49,16 @@ def load_engine(config: ConfigSource, registry: Catalogue | None = None, parts: 
 
 def assemble(config: EngineConfig, report: Report, registry: Catalogue, parts: "LoadedParts | None" = None) -> Engine:
     """An engine from a validated config: backend, target, drafter (wrapped by prompt lookup when
-    ``drafter.lookup`` is on) and verifier."""
+    ``drafter.lookup`` is on) and verifier, its compiled forwards (if any) built before it returns."""
     parts = parts if parts is not None else LoadedParts(registry)
     backend = parts.backend(config.backend)
     target = parts.target(backend, str(config.target.path), report)
     drafter = parts.drafter(config.drafter, report, backend, target) if config.drafter.enabled else None
     if config.drafter.lookup.enabled:
         drafter = LookupProposer(drafter, config.drafter.lookup, backend)
-    return Engine(config, backend, target, make_verifier(config, registry), drafter, report)
+    engine = Engine(config, backend, target, make_verifier(config, registry), drafter, report)
+    engine.warm_up()
+    return engine
 
 
 def make_verifier(config: EngineConfig, registry: Catalogue) -> Verifier:

@@ -44,15 +44,15 @@ def eager(pair):
 
 @pytest.fixture(scope="module")
 def compiled(pair):
-    engine = speculant.load_engine(config(*pair))
-    engine.target.warm_up(BLOCK, engine.drafter.info.capture)  # widths 1, 2, 4, compiled once
+    engine = speculant.load_engine(config(*pair))  # load_engine compiles widths 1, 2, 4 once
+    assert engine.target.fast_path.startswith("compiled: widths 1, 2, 4;"), engine.target.fast_path
     return engine
 
 
 @pytest.fixture(scope="module")
 def compiled_plain(pair):
-    engine = speculant.load_engine(config(pair[0]))
-    engine.target.warm_up(1)
+    engine = speculant.load_engine(config(pair[0]))  # width 1 compiled before any request
+    assert engine.target.fast_path.startswith("compiled: widths 1;"), engine.target.fast_path
     return engine
 
 

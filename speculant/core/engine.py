@@ -15,7 +15,7 @@ from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
 from speculant.core.problems import Report
-from speculant.core.types import Chunk
+from speculant.core.types import Capture, Chunk
 from speculant.core.validator import sampling_problems
 
 
@@ -80,6 +80,12 @@ class Engine:
             return 1
         info = self.drafter.info
         return self.config.drafter.block_size or info.default_block_size or info.trained_block_size or 2
+
+    def warm_up(self) -> None:
+        """Compile the target's forwards for this engine's widths now (a no-op for eager targets);
+        :func:`speculant.load_engine` calls it, so no request pays for compiling."""
+        capture = self.drafter.info.capture if self.drafter is not None else Capture()
+        self.target.warm_up(self.block_size, capture)
 
     @property
     def tokenizer(self):

@@ -81,6 +81,10 @@ class TargetModel(ABC):
     def crop(self, length: int) -> None:
         """Roll the KV cache back to its first ``length`` positions."""
 
+    def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
+        """Build the compiled forwards of every verify width up to ``block_size`` (with ``capture``)
+        now rather than inside the first requests; nothing for an eager target (the default)."""
+
     def greedy_steps(self, anchor_id: int) -> "Iterator[int] | None":
         """Optional fast path for plain greedy decoding: from ``anchor_id`` (the last token, not yet in
         the cache), yield the target's argmax tokens one at a time, each fed back on the device so the
