@@ -25,7 +25,8 @@ import pytest
 from speculant.core.arrays import NumpyOps
 from stats_helpers import reference_probs, chi2_sf, gof_pvalue
 from speculant.core.types import SamplingParams
-from speculant.verifiers import acceptance, processing
+from speculant.core import sampling as sampling_math
+from speculant.verifiers import acceptance
 
 VOCAB = 8
 CANDIDATES = 4
@@ -201,7 +202,7 @@ def accept_with_q_over_p(target_prob, draft_prob, u):
 
 
 def probs_without_top_k(ops, logits, sampling):
-    return processing.target_probs(ops, logits, replace(sampling, top_k=0))  # (c) top-k not applied to p
+    return sampling_math.target_probs(ops, logits, replace(sampling, top_k=0))  # (c) top-k not applied to p
 
 
 def subtract_q_at_draft_only(ops, x, draft_probs, candidate_ids, shape):
