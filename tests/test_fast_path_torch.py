@@ -183,3 +183,44 @@ def test_greedy_steps_yield_the_plain_greedy_tokens(eager, compiled_plain):
     target.crop(len(ids) + NEW - 1)
     assert int(torch.argmax(target.forward(target.backend.int_array(got[-1:])).logits[-1])) == \
         compiled_plain.run(prompt_ids=ids, max_new_tokens=NEW + 1, ignore_eos=True).token_ids[-1]
+
+
+# -- the compiled draft step (speculant/drafters/dflash/compiled.py) -----------------------------
+
+@pytest.fixture(scope="module")
+def eager_speculative(pair):
+    return speculant.load_engine(config(*pair, compile="off"))
+
+
+def test_the_draft_stays_eager_with_an_eager_target(eager_speculative):
+    assert eager_speculative.drafter.net.compiled is None
+    assert eager_speculative.drafter.net.fast_path == "eager"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_compiled_draft_proposes_the_eager_drafts_tokens(eager, eager_speculative, compiled, prompt):
+    """Same acceptance length every cycle, with partial rejections, as the eager draft: the same
+    proposals (a proposal that differed at a rejected or accepted position would change them)."""
+    net = compiled.drafter.net
+    assert net.fast_path.startswith("compiled draft: context buckets 1, 2, 4; block 4; rows 256"), net.fast_path
+    ids = PROMPTS[prompt]
+    expected = eager_speculative.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    result = compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    accepted = result.stats.acceptance_lengths
+    assert min(accepted) < BLOCK and max(accepted) > 1
+    assert accepted == expected.stats.acceptance_lengths
+    assert result.token_ids == expected.token_ids == eager.run(prompt_ids=ids, max_new_tokens=NEW,
+                                                               ignore_eos=True).token_ids
+
+
+@pytest.mark.slow
+def test_the_compiled_draft_compiles_nothing_for_later_requests(compiled):
+    draft = compiled.drafter.net.compiled
+    compiled.drafter.net.warm_up()  # again if the cache grew before
+    before = (draft.compile_s, draft.rows, set(draft._graphs))
+    for ids in PROMPTS.values():
+        compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        compiled.run(prompt_ids=ids, max_new_tokens=6, ignore_eos=True)  # shorter blocks at the end
+    assert (draft.compile_s, draft.rows, set(draft._graphs)) == before
+    assert draft.recompiles == 0 and len(before[2]) == 3

@@ -210,6 +210,38 @@ class TorchDFlashNetwork:
         self.windows = [layer.window for layer in model.layers]
         self.cache = ContextCache(self.windows, allocate)
         self._dtype = next(model.parameters()).dtype
+        self.compiled = None  # a CompiledDraft (dflash/compiled.py) once compile_step succeeds
+        self.fast_path = "eager"
+
+    def compile_step(self, block: int) -> None:
+        """Run the draft step compiled (one graph per context bucket, see compiled.py), compiling
+        every bucket a block of ``block`` uses now; stays eager, saying why, if compiling fails."""
+        from speculant.drafters.dflash.compiled import CompiledDraft
+
+        self.compiled = CompiledDraft(self.model, block)
+        try:
+            self.warm_up()
+        except Exception as exc:  # noqa: BLE001 -- dynamo / inductor refused the step: eager is exact
+            self.compiled = None
+            self.fast_path = f"eager: compiling the draft failed ({type(exc).__name__}: {str(exc)[:200]})"
+        else:
+            self.fast_path = self.compiled.describe()
+
+    def warm_up(self) -> None:
+        """Compile the compiled step's graph of every context bucket (1, 2, 4 .. the padded block)
+        for its current cache size, where not compiled yet."""
+        from speculant.drafters.dflash.compiled import padded
+
+        block = self.compiled.block
+        device = next(self.model.parameters()).device
+        features = torch.zeros(block, self.model.fc.in_features, device=device)
+        ids = torch.full((block,), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        position = 0
+        for j in range(padded(block).bit_length()):
+            n = min(1 << j, block)
+            position += n
+            self.hidden(features[:n], position - n, ids, position)
+        self.reset()
 
     def reset(self) -> None:
         self.cache = ContextCache(self.windows, allocate)
@@ -219,12 +251,15 @@ class TorchDFlashNetwork:
         m, cfg, cache = self.model, self.cfg, self.cache
         n_ctx, q_len = features.shape[0], block_ids.shape[0]
         device, dtype = features.device, self._dtype
-        ctx = m.project_context(features.to(dtype))
-        ctx_cos, ctx_sin = m.rotary.span(context_start, n_ctx, dtype, device)
-        cos, sin = m.rotary.span(position, q_len, dtype, device)
         x = self._embed(block_ids).to(dtype)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
+        if self.compiled is not None:
+            return self.compiled.hidden(features.to(dtype), context_start, x, position,
+                                        lambda start, count: m.rotary.span(start, count, dtype, device))
+        ctx = m.project_context(features.to(dtype))
+        ctx_cos, ctx_sin = m.rotary.span(context_start, n_ctx, dtype, device)
+        cos, sin = m.rotary.span(position, q_len, dtype, device)
         for i, layer in enumerate(m.layers):
             ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
             cache.append(i, ck, cv, context_start, reserve=q_len)
