@@ -224,3 +224,26 @@ def test_the_compiled_draft_compiles_nothing_for_later_requests(compiled):
         compiled.run(prompt_ids=ids, max_new_tokens=6, ignore_eos=True)  # shorter blocks at the end
     assert (draft.compile_s, draft.rows, set(draft._graphs)) == before
     assert draft.recompiles == 0 and len(before[2]) == 3
+
+
+@pytest.mark.slow
+def test_compiled_dflash2_draft_proposes_the_eager_drafts_tokens(tmp_path_factory, torch_threads):
+    """DFlash2 layers (convolutions around both sublayers) over sliding windows of 8 rows, masked
+    in the graph: same acceptance lengths and tokens as the eager draft and plain decoding."""
+    from speculant.testing.tiny_dflash2 import build_tiny_dflash2_pair
+
+    target, draft = build_tiny_dflash2_pair(tmp_path_factory.mktemp("dflash2"), block_size=BLOCK, sliding_window=8)
+
+    def dflash2(compile):
+        return {**config(target, compile=compile), "drafter": {"kind": "dflash2", "path": str(draft), "block_size": BLOCK}}
+
+    fast, slow = speculant.load_engine(dflash2("on")), speculant.load_engine(dflash2("off"))
+    assert fast.drafter.net.fast_path.startswith("compiled draft: context buckets 1, 2, 4; block 4")
+    plain = speculant.load_engine(config(target, compile="off"))
+    ids = PROMPTS["other"]
+    result, expected = (e.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True) for e in (fast, slow))
+    assert result.stats.acceptance_lengths == expected.stats.acceptance_lengths
+    assert min(result.stats.acceptance_lengths) < BLOCK and max(result.stats.acceptance_lengths) > 1
+    assert result.token_ids == expected.token_ids == plain.run(prompt_ids=ids, max_new_tokens=NEW,
+                                                               ignore_eos=True).token_ids
+    assert fast.drafter.net.compiled.recompiles == 0
