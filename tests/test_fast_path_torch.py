@@ -197,6 +197,31 @@ def test_the_draft_stays_eager_with_an_eager_target(eager_speculative):
     assert eager_speculative.drafter.net.fast_path == "eager"
 
 
+def assert_same_draft_hidden(fast, slow):
+    """The compiled network's draft rows equal the eager one's over a request of many cycles: a
+    6-row prompt (written eagerly), then 1..4 new context rows per cycle, full and shorter blocks,
+    well past a sliding window (a mask off by one row changes them)."""
+    torch.manual_seed(0)
+    width = slow.model.fc.in_features
+    mask = slow.cfg.mask_token_id
+    for net in (fast, slow):
+        net.reset()
+    start = 0
+    for cycle, n in enumerate([6, 1, 4, 2, 3, 4, 1, 4, 4, 2, 3, 1, 4, 4, 4]):
+        features = torch.randn(n, width)
+        position = start + n
+        ids = torch.tensor([11 + cycle] + [mask] * (BLOCK - 1 if cycle % 5 else 1))
+        a, b = (net.hidden(features, start, ids, position) for net in (fast, slow))
+        assert a.shape == b.shape == (ids.shape[0] - 1, slow.cfg.hidden_size)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        start = position
+
+
+@pytest.mark.slow
+def test_compiled_draft_rows_equal_the_eager_drafts(compiled, eager_speculative):
+    assert_same_draft_hidden(compiled.drafter.net, eager_speculative.drafter.net)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_compiled_draft_proposes_the_eager_drafts_tokens(eager, eager_speculative, compiled, prompt):
@@ -246,4 +271,5 @@ def test_compiled_dflash2_draft_proposes_the_eager_drafts_tokens(tmp_path_factor
     assert min(result.stats.acceptance_lengths) < BLOCK and max(result.stats.acceptance_lengths) > 1
     assert result.token_ids == expected.token_ids == plain.run(prompt_ids=ids, max_new_tokens=NEW,
                                                                ignore_eos=True).token_ids
+    assert_same_draft_hidden(fast.drafter.net, slow.drafter.net)
     assert fast.drafter.net.compiled.recompiles == 0
