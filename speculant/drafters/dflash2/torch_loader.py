@@ -5,7 +5,11 @@ from __future__ import annotations
 from speculant.core.checkpoint import tensor_inventory
 from speculant.core.errors import CheckpointError
 from speculant.drafters import quantization
-from speculant.drafters.dflash.torch_loader import compile_if_target_is, load_into, place_and_quantize
+from speculant.drafters.dflash.torch_loader import (
+    compile_if_target_is,
+    load_into,
+    place_and_quantize,
+)
 from speculant.drafters.dflash2.checkpoint import CODEBOOKS, codebook_spelling
 
 
