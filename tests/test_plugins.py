@@ -332,3 +332,16 @@ def test_warnings_are_printed_but_do_not_fail(installed, tiny_target, tmp_path, 
     assert main(["validate", str(tmp_path / "engine.toml")]) == 0
     out = capsys.readouterr().out
     assert "warning: drafter.path:" in out and "0 error(s), 1 warning(s)" in out
+
+
+def test_draft_quantization_checks_are_a_plugin_of_their_own():
+    """They register through their own entry point, not as a side effect of importing the dflash
+    plugin, so the checks run for every drafter and only once."""
+    import tomllib
+
+    records = {p.name: p for p in Registry().load().plugins}
+    quantization = records["quantization"]
+    assert quantization.status == "loaded" and quantization.module == "speculant.drafters.quantization"
+    assert quantization.hooks == ["check_pairing"] and "check_pairing" not in records["dflash"].hooks
+    points = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert points["speculant"]["quantization"] == "speculant.drafters.quantization"
