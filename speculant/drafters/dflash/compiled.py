@@ -34,6 +34,8 @@ import types
 
 import torch
 
+from speculant.drafters.dflash.visibility import keep_by_distance
+
 FIRST_ROWS = 256
 
 
@@ -57,14 +59,7 @@ def keep_mask(block_at: torch.Tensor, rows: int, limit: torch.Tensor, causal: bo
     """Boolean keep-mask [block, rows]: keys before ``limit``, within the layer's limits."""
     keys = torch.arange(rows, device=block_at.device)
     rel = block_at[:, None] - keys[None, :]  # query - key
-    keep = (keys < limit)[None, :].expand(block_at.shape[0], rows)
-    if causal:
-        keep = keep & (rel >= 0)
-    if window is not None:
-        keep = keep & (rel < window)
-        if not causal:
-            keep = keep & (rel > -window)
-    return keep
+    return keep_by_distance((keys < limit)[None, :].expand(block_at.shape[0], rows), rel, causal, window)
 
 
 class CompiledDraft:

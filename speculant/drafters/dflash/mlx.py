@@ -18,7 +18,7 @@ from speculant.core.types import DrafterInfo
 from speculant.drafters.dflash.config import DFlashConfig
 from speculant.drafters.dflash.context import BlockSlot, ContextCache
 from speculant.drafters.dflash.drafter import DFlashDrafter
-from speculant.drafters.dflash.visibility import every_key_visible
+from speculant.drafters.dflash.visibility import every_key_visible, keep_by_distance
 
 
 def make_rope(cfg: DFlashConfig) -> nn.Module:
@@ -116,14 +116,7 @@ def block_mask(n_ctx: int, ctx_end: int, position: int, q_len: int, causal: bool
     queries = mx.arange(position, position + q_len)
     keys = mx.concatenate([mx.arange(ctx_end - n_ctx, ctx_end), queries])
     rel = queries[:, None] - keys[None, :]  # query - key
-    keep = mx.ones(rel.shape, dtype=mx.bool_)
-    if causal:
-        keep = keep & (rel >= 0)
-    if window is not None:
-        keep = keep & (rel < window)
-        if not causal:
-            keep = keep & (rel > -window)
-    return keep
+    return keep_by_distance(mx.ones(rel.shape, dtype=mx.bool_), rel, causal, window)
 
 
 class MLXDFlashNetwork:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from speculant.core.interfaces import DrafterFactory
-from speculant.core.types import DrafterInfo, ProposalKind
 from speculant.core.problems import Problem
+from speculant.core.types import DrafterInfo, ProposalKind
 from speculant.plugin_api import hookimpl
 
 

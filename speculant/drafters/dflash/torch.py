@@ -17,7 +17,7 @@ from torch import nn
 
 from speculant.drafters.dflash.config import DFlashConfig
 from speculant.drafters.dflash.context import ContextCache
-from speculant.drafters.dflash.visibility import every_key_visible
+from speculant.drafters.dflash.visibility import every_key_visible, keep_by_distance
 
 
 class RMSNorm(nn.Module):
@@ -170,14 +170,7 @@ def attention_mask(ctx_start: int, ctx_length: int, block_start: int, block_leng
     queries = torch.arange(block_start, block_start + block_length, device=device)
     keys = torch.cat([torch.arange(ctx_start, ctx_start + ctx_length, device=device), queries])
     rel = queries[:, None] - keys[None, :]  # query - key
-    keep = torch.ones_like(rel, dtype=torch.bool)
-    if causal:
-        keep &= rel >= 0
-    if window is not None:
-        keep &= rel < window
-        if not causal:
-            keep &= rel > -window
-    return keep
+    return keep_by_distance(torch.ones_like(rel, dtype=torch.bool), rel, causal, window)
 
 
 class ContextRows(NamedTuple):
