@@ -273,3 +273,42 @@ def test_compiled_dflash2_draft_proposes_the_eager_drafts_tokens(tmp_path_factor
                                                                ignore_eos=True).token_ids
     assert_same_draft_hidden(fast.drafter.net, slow.drafter.net)
     assert fast.drafter.net.compiled.recompiles == 0
+
+
+@pytest.mark.slow
+def test_a_draft_step_failing_mid_request_goes_on_eagerly(eager_speculative, compiled, monkeypatch):
+    """When compiling the draft step again fails mid-request (as after its cache grows), the
+    draft goes on eagerly from the context rows the compiled step holds: the same draft rows
+    (which read every context row), acceptance lengths and tokens; the reason in ``fast_path``."""
+    net = compiled.drafter.net
+    draft, saved = net.compiled, (net.compiled, net.fast_path, dict(net.compiled._graphs))
+
+    def refuse(key):
+        raise RuntimeError("injected compile failure")
+
+    def recording(engine, fail_at=None):
+        rows, hidden = [], engine.drafter.net.hidden
+
+        def record(*args):
+            if len(rows) + 1 == fail_at:  # two drafts' context rows are committed by now
+                draft._graphs.clear()
+                monkeypatch.setattr(draft, "_compile", refuse)
+            rows.append(hidden(*args).clone())
+            return rows[-1]
+
+        monkeypatch.setattr(engine.drafter.net, "hidden", record)
+        return rows
+
+    expected_rows, rows = recording(eager_speculative), recording(compiled, fail_at=3)
+    try:
+        ids = PROMPTS["other"]
+        expected = eager_speculative.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        result = compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        assert net.compiled is None and "injected compile failure" in net.fast_path, net.fast_path
+        assert len(rows) == len(expected_rows) > 4
+        for a, b in zip(rows, expected_rows):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert result.stats.acceptance_lengths == expected.stats.acceptance_lengths
+        assert result.token_ids == expected.token_ids
+    finally:
+        net.compiled, net.fast_path, draft._graphs = saved

@@ -248,8 +248,12 @@ class TorchDFlashNetwork:
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         if self.compiled is not None:
-            return self.compiled.hidden(features.to(dtype), context_start, x, position,
-                                        lambda start, count: m.rotary.span(start, count, dtype, device))
+            try:
+                return self.compiled.hidden(features.to(dtype), context_start, x, position,
+                                            lambda start, count: m.rotary.span(start, count, dtype, device))
+            except Exception as exc:  # noqa: BLE001 -- e.g. recompiling for a grown cache failed: eager is exact
+                self._fall_back_to_eager(exc, context_start)
+                cache = self.cache
         ctx = m.project_context(features.to(dtype))
         ctx_cos, ctx_sin = m.rotary.span(context_start, n_ctx, dtype, device)
         cos, sin = m.rotary.span(position, q_len, dtype, device)
@@ -259,6 +263,18 @@ class TorchDFlashNetwork:
             mask = attention_mask(cache.starts[i], cache.length(i), position, q_len, layer.causal, layer.window, device)
             x = layer(x, cos, sin, cache.slot(i), mask)
         return m.norm(x[1:])
+
+    def _fall_back_to_eager(self, exc: Exception, committed: int) -> None:
+        """Go on eagerly, for this engine's life, from the context rows the compiled step holds:
+        rows ``0 .. committed`` (by position) are the committed context; later ones were never
+        committed or belong to the failed call, which runs again eagerly."""
+        compiled, self.compiled = self.compiled, None
+        self.fast_path = (f"eager: the compiled draft step failed mid-request ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); eager from then on")
+        self.cache = ContextCache(self.windows, allocate)
+        if committed and compiled.keys:
+            for i in range(len(self.model.layers)):
+                self.cache.append(i, compiled.keys[i][:, :committed], compiled.values[i][:, :committed], 0)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.is_muse_glimmer:
