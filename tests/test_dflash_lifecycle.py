@@ -42,8 +42,8 @@ def recording(eng, **kwargs):
         proposals.append(ops.to_list(draft.token_ids))
         return draft
 
-    def record_hidden(request):
-        rows = take_hidden(request)
+    def record_hidden(request, *anchor):
+        rows = take_hidden(request, *anchor)
         hidden.append(ops.to_numpy(ops.float32(rows)))
         return rows
 

@@ -38,8 +38,12 @@ class BackendConfig(_Section):
     compile: str = "auto"
     """Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
     `auto` where the backend's benchmark shows they pay, `on` wherever possible, `off` never."""
+    draft_ahead: str = "auto"
+    """Draft the next block before the host reads this cycle's verification, assuming the whole
+    block is accepted (greedy, fixed-width verifiers; kept only when it was): `auto` on GPUs (Metal,
+    CUDA, MPS), where the host's work can overlap the device's; `on`; `off`."""
 
-    @field_validator("compile")
+    @field_validator("compile", "draft_ahead")
     @classmethod
     def _compile_choice(cls, value: str) -> str:
         if value not in ("auto", "on", "off"):

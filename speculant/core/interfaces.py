@@ -143,6 +143,12 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (timing only)."""
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether queued work runs on a device while the host goes on (a GPU), so that the host's
+        work between two cycles can overlap the device's (``backend.draft_ahead: auto``)."""
+        return False
+
     def peak_memory_bytes(self) -> int | None:
         """Peak device (or process) memory since the last reset, if measurable."""
         return None
@@ -173,6 +179,18 @@ class Drafter(ABC):
         """A proposal that costs no forward (a copy out of the context), tried every cycle before the
         verifier is asked whether drafting pays; None (the default) when there is none."""
         return None
+
+    def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:
+        """Before this cycle's verification is read: commit every row of ``output`` and propose
+        after ``anchor`` (a one-token device array, the target's greedy token at the last row),
+        as the next cycle would if the whole block is accepted. The engine then either keeps it
+        (no ``commit`` follows for these rows) or calls ``withdraw_ahead``. None (the default):
+        not supported."""
+        return None
+
+    def withdraw_ahead(self) -> None:
+        """Undo the last ``propose_ahead`` (the block was not accepted whole)."""
+        raise NotImplementedError
 
     @abstractmethod
     def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
@@ -213,6 +231,9 @@ class Verifier(ABC):
     # Whether observe() needs each cycle's parts timed exactly: the engine then waits for the
     # backend after every draft and target call, which stops it overlapping them (MLX, CUDA).
     needs_timings: ClassVar[bool] = False
+    # Whether the next cycle may be drafted before this cycle's verification is read: true for
+    # a verifier whose wants_draft/plan read nothing from past verifications.
+    allows_draft_ahead: ClassVar[bool] = True
 
     def __init__(self, options: dict | None = None) -> None:
         self.options = options or {}

@@ -46,12 +46,22 @@ class Loop:
         self.stats.phases_timed = self.timed
         within = limit is None or len(prompt_ids) < limit
         self.speculating = engine.drafter is not None and within
+        self.draft_ahead = self.speculating and self._may_draft_ahead()
+        self._ahead: Draft | None = None  # the next cycle's draft, made before this one's verification
+        self._ahead_anchor = None
+        self._last_whole = True  # the last verified draft was accepted whole
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
             raise ContextTooLongError(
                 f"the prompt has {len(prompt_ids)} tokens but the target's context window is {window}; shorten the prompt"
             )
+
+    def _may_draft_ahead(self) -> bool:
+        e, setting = self.e, self.e.backend.config.draft_ahead
+        wanted = setting == "on" or (setting == "auto" and e.backend.asynchronous)
+        # timed phases would wait for each draft, and a sampled bonus token is drawn on the host
+        return wanted and e.verifier.allows_draft_ahead and self.sampling.is_greedy and not self.timed
 
     def stop(self, reason: str) -> None:
         self._stop_reason = reason
@@ -118,7 +128,13 @@ class Loop:
         if self.limit is not None and position >= self.limit:
             self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
         k = self._room(position)
-        draft, draft_s = self._draft(anchor, position, k) if self.speculating and k > 0 else (None, 0.0)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.speculating and k > 0:
+            draft, draft_s = (ahead if k >= ahead.num_tokens else ahead.truncated(k, e.backend.ops)), 0.0
+        elif self.speculating and k > 0:
+            draft, draft_s = self._draft(anchor, position, k)
+        else:
+            draft, draft_s = None, 0.0
         drafted = 0 if draft is None else draft.num_tokens
         source = DraftSource.MODEL if draft is None else draft.source
         n = e.verifier.plan(draft, k, position) if draft is not None else 0
@@ -128,21 +144,51 @@ class Loop:
         block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
         capture = self.capture
         out, target_s = self._timed(lambda: e.target.forward(block, capture), "target_s")
+        if draft is not None and self.draft_ahead:
+            self._ahead = self._draft_ahead(out, position + n + 1, len(self.produced) + n + 1)
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
         e.target.crop(position + accepted + 1)
+        if n > 0:
+            self._last_whole = accepted == n
         commit_s = 0.0
-        if self.speculating:
+        if self._ahead is not None and not self._keep_ahead(verification, n):
+            self._ahead = None
+            e.drafter.withdraw_ahead()
+        if self.speculating and self._ahead is None:
             _, commit_s = self._timed(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
         e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s, source))
         new = self._emit(verification.token_ids)
         self.stats.record_cycle(n, accepted, len(new), copied=source is DraftSource.LOOKUP)
         return new
 
-    def _room(self, position: int) -> int:
+    def _room(self, position: int, produced: int | None = None) -> int:
         """Most proposals this cycle may verify: the block, what is left to generate, the window."""
-        k = min(self.block - 1, self.max_new - len(self.produced) - 1)
+        produced = len(self.produced) if produced is None else produced
+        k = min(self.block - 1, self.max_new - produced - 1)
         return k if self.window is None else min(k, self.window - position - 1)
+
+    def _draft_ahead(self, out, position: int, produced: int) -> Draft | None:
+        """The next cycle's draft, queued before this cycle's verification is read, as if the
+        whole block is accepted: every row of ``out`` committed, after the target's greedy token
+        at its last row. Only after a cycle that was accepted whole, so a miss is rare."""
+        e = self.e
+        k = self._room(position, produced)
+        if k <= 0 or not self._last_whole or (self.limit is not None and position >= self.limit):
+            return None
+        self._ahead_anchor = e.backend.ops.argmax(out.logits[-1:])
+        request = DraftRequest(-1, position, k, self.sampling, self.draft_rng)  # the anchor is on the device
+        draft = e.drafter.propose_ahead(out, self._ahead_anchor, request)
+        if draft is not None:
+            self.stats.drafts_ahead += 1
+        return draft
+
+    def _keep_ahead(self, verification: Verification, submitted: int) -> bool:
+        """Whether the block was accepted whole, so the draft made ahead is the next cycle's."""
+        whole = verification.accepted == submitted
+        kept = whole and verification.token_ids[-1] == self.e.backend.ops.to_list(self._ahead_anchor)[0]
+        self.stats.drafts_ahead_kept += int(kept)
+        return kept
 
     def _draft(self, anchor: int, position: int, k: int) -> tuple[Draft | None, float]:
         """A free proposal (a prompt-lookup copy) if there is one, else the drafter's when the

@@ -35,6 +35,8 @@ class GenerationStats:
     verify_steps: int = 0
     lookup_steps: int = 0  # cycles that verified a prompt-lookup copy instead of a drafter proposal
     lookup_emitted: int = 0
+    drafts_ahead: int = 0  # next-cycle drafts made before a verification was read (draft_ahead)
+    drafts_ahead_kept: int = 0  # of those, the ones whose block was accepted whole, so used
     peak_memory_bytes: int | None = None
     stop_reason: str = "unknown"  # eos | stop_token | stop_string | max_new_tokens | context_length | interrupted | error
     submitted_per_position: list[int] = field(default_factory=list)

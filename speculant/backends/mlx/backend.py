@@ -65,6 +65,12 @@ class MLXBackend(Backend):
     def int_array(self, values):
         return self._mx.array(list(values), dtype=self._mx.int32)
 
+    @property
+    def asynchronous(self) -> bool:
+        # Metal runs queued work while the host builds the next graph. On the CPU, drafting
+        # ahead was measured to gain nothing (docs/fast-path.md): the forwards dwarf the host.
+        return self._device == "gpu"
+
     def synchronize(self) -> None:
         """Wait until the work scheduled with ``mx.async_eval`` (forwards, drafts) has run."""
         self._mx.synchronize()

@@ -64,6 +64,10 @@ class TorchBackend(Backend):
     def int_array(self, values):
         return self._torch.tensor(list(values), dtype=self._torch.long, device=self._device)
 
+    @property
+    def asynchronous(self) -> bool:
+        return self._device.type in ("cuda", "mps")  # CPU ops run before they return
+
     def synchronize(self) -> None:
         if self._device.type == "cuda":
             self._torch.cuda.synchronize(self._device)

@@ -61,6 +61,17 @@ class ContextCache:
         self.keys[layer], self.values[layer] = grown_k, grown_v
         self.first[layer], self.end[layer] = 0, kept
 
+    def mark(self) -> tuple:
+        """The committed state, for :meth:`rewind`. Buffers are never written before ``end``, and a
+        grown buffer is a new array, so the state is the pointers and the buffers they index."""
+        return list(self.keys), list(self.values), list(self.first), list(self.end), list(self.starts)
+
+    def rewind(self, mark: tuple) -> None:
+        """Forget every row committed since :meth:`mark` returned ``mark``."""
+        keys, values, first, end, starts = mark
+        self.keys, self.values = list(keys), list(values)
+        self.first, self.end, self.starts = list(first), list(end), list(starts)
+
     def length(self, layer: int) -> int:
         return self.end[layer] - self.first[layer]
 

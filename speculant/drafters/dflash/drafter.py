@@ -20,6 +20,7 @@ from speculant.core.interfaces import Drafter
 from speculant.core.types import Array, Draft, DrafterInfo, DraftRequest, ForwardOutput
 from speculant.drafters.dflash import muse_glimmer
 from speculant.drafters.dflash.config import DFlashConfig
+from speculant.drafters.dflash.context import ContextCache
 
 
 class DFlashNetwork(Protocol):
@@ -27,6 +28,7 @@ class DFlashNetwork(Protocol):
 
     cfg: DFlashConfig
     model: Any  # the backend's DFlashModel (its modules, as loaded and quantized)
+    cache: ContextCache  # the eager step's context (a compiled step keeps rows by position)
     windows: Sequence[int | None]  # each layer's sliding window (None: full attention)
 
     def reset(self) -> None:
@@ -60,6 +62,7 @@ class DFlashDrafter(Drafter):
         self.max_context = None if any(w is None for w in windows) else max(windows) - 1
         self.pending: list[Array] = []
         self.context_length = 0  # absolute position one past the last context row taken in
+        self._before_ahead: tuple | None = None  # what propose_ahead changed, for withdraw_ahead
         # a Muse Glimmer assistant reading the target's last layer gets its final-normed state
         self._final_feature = muse_glimmer.final_feature(self.cfg) if info.final_hidden == "post_norm" else None
 
@@ -98,10 +101,15 @@ class DFlashDrafter(Drafter):
         return features, start
 
     # -- drafting --------------------------------------------------------------------------
-    def hidden(self, request: DraftRequest) -> Array:
-        """Final-normed draft hidden states of block rows 1..k ([k, H]); takes in the queued context."""
+    def hidden(self, request: DraftRequest, anchor: Array | None = None) -> Array:
+        """Final-normed draft hidden states of block rows 1..k ([k, H]); takes in the queued context.
+        ``anchor`` (a one-token device array) stands for ``request.anchor_id`` when given."""
         features, start = self._take_context()
-        ids = self.backend.int_array([request.anchor_id] + [self.cfg.mask_token_id] * request.num_tokens)
+        masks = [self.cfg.mask_token_id] * request.num_tokens
+        if anchor is None:
+            ids = self.backend.int_array([request.anchor_id] + masks)
+        else:
+            ids = self.ops.concatenate([anchor, self.backend.int_array(masks)])
         return self.net.hidden(features, start, ids, request.position)
 
     def logits(self, hidden: Array) -> Array:
@@ -118,7 +126,17 @@ class DFlashDrafter(Drafter):
             logits = cap * self.net.tanh(logits / cap)
         return logits
 
-    def propose(self, request: DraftRequest) -> Draft:
-        tokens = self.ops.argmax(self.logits(self.hidden(request)))
+    def propose(self, request: DraftRequest, anchor: Array | None = None) -> Draft:
+        tokens = self.ops.argmax(self.logits(self.hidden(request, anchor)))
         self.net.launch(tokens)
         return Draft(token_ids=tokens, num_tokens=request.num_tokens)
+
+    def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:
+        self._before_ahead = (list(self.pending), self.context_length, self.net.cache.mark())
+        self.commit(output, int(output.features.shape[0]), ())
+        return DFlashDrafter.propose(self, request, anchor)
+
+    def withdraw_ahead(self) -> None:
+        pending, length, mark = self._before_ahead
+        self.pending, self.context_length, self._before_ahead = pending, length, None
+        self.net.cache.rewind(mark)

@@ -34,6 +34,9 @@ class DFlash2Drafter(DFlashDrafter):
 
     net: DFlash2Network
 
+    def propose_ahead(self, output, anchor, request) -> None:
+        return None  # the path selector reads the anchor token on the host
+
     def propose(self, request: DraftRequest) -> Draft:
         k = request.num_tokens
         hidden = self.hidden(request)

@@ -50,6 +50,7 @@ class AdaptiveVerifier(Verifier):
     accepts = (ProposalKind.ONE_HOT, ProposalKind.DENSE, ProposalKind.SPARSE)
     supports_sampling = True
     needs_timings = True  # its cost model learns from the measured seconds
+    allows_draft_ahead = False  # it chooses each width from the verifications before it
     options_model = AdaptiveOptions
 
     def __init__(self, options: dict | None = None) -> None:
