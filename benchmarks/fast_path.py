@@ -4,11 +4,14 @@ decoding, on identical weights and prompts, interleaved in one process.
     python benchmarks/fast_path.py [--backend mlx[,torch]] [--device cpu] [--dtype float32]
                                    [--repeats 3] [--max-new-tokens 32] [--block-size 8]
                                    [--pairs shipped,mid] [--hidden 1024] [--layers 8]
-                                   [--compile auto|on|off[,...]] [--no-reference] [--small]
+                                   [--compile auto|on|off[,...]] [--verifier auto[,adaptive]]
+                                   [--draft-ahead auto[,off,on]] [--no-reference] [--small]
 
 Arms, per backend and pair, run round-robin within every repeat (machine drift hits them alike):
 ``speculant plain`` and ``speculant dflash`` (the engine, ``backend.compile`` as given; with several
-settings, e.g. ``--compile off,on``, a pair of speculant arms per setting, named ``[on]`` etc.),
+settings, e.g. ``--compile off,on``, a pair of speculant arms per setting, named ``[on]`` etc.; with
+several verifiers, e.g. ``--verifier auto,adaptive``, one more dflash arm per extra kind, ``<adaptive>``;
+``--draft-ahead auto,off`` likewise, ``<ahead off>``),
 the library's own plain decoding (mlx-lm ``generate_step`` on MLX, transformers ``generate`` on
 PyTorch), and the reference ``dflash`` 0.1.0 loop and its own plain baseline (mlx-lm
 ``generate_step`` on MLX, ``dflash_generate`` at block 1 on PyTorch). The reference needs
@@ -69,14 +72,16 @@ def mid_pair(root: Path, hidden: int, layers: int, prompt_len: int) -> tuple[Pat
 
 class Speculant:
     def __init__(self, backend: str, device: str, dtype: str, compile: str, target: Path, draft: Path | None,
-                 block: int, plain_of: "Speculant | None" = None) -> None:
+                 block: int, plain_of: "Speculant | None" = None, verifier: str = "auto",
+                 draft_ahead: str = "auto") -> None:
         import speculant
 
         if plain_of is not None:
             self.engine = plain_of.engine.without_drafter()
         else:
-            config = {"backend": {"kind": backend, "device": device, "dtype": dtype, "compile": compile},
-                      "target": {"path": str(target)}, "verifier": {"kind": "auto"}}
+            config = {"backend": {"kind": backend, "device": device, "dtype": dtype, "compile": compile,
+                                  "draft_ahead": draft_ahead},
+                      "target": {"path": str(target)}, "verifier": {"kind": verifier}}
             if draft is not None:
                 config["drafter"] = {"kind": "dflash", "path": str(draft), "block_size": block}
             self.engine = speculant.load_engine(config)
@@ -201,9 +206,16 @@ def build_arms(args, backend: str, pair: str, paths, worker: ReferenceWorker | N
     settings = args.compile.split(",")
     for setting in settings:
         suffix = f" [{setting}]" if len(settings) > 1 and setting != settings[0] else ""
-        spec = Speculant(backend, args.device, args.dtype, setting, target, draft, args.block_size)
+        spec = Speculant(backend, args.device, args.dtype, setting, target, draft, args.block_size,
+                         verifier=args.verifier.split(",")[0], draft_ahead=args.draft_ahead.split(",")[0])
         arms[f"speculant plain{suffix}"] = Speculant(backend, args.device, args.dtype, setting, target, None, 0, spec)
         arms[f"speculant dflash{suffix}"] = spec
+    for verifier in args.verifier.split(",")[1:]:  # more verifiers, under the first compile setting
+        arms[f"speculant dflash <{verifier}>"] = Speculant(backend, args.device, args.dtype, settings[0], target, draft,
+                                                          args.block_size, verifier=verifier)
+    for ahead in args.draft_ahead.split(",")[1:]:  # more draft_ahead settings, likewise
+        arms[f"speculant dflash <ahead {ahead}>"] = Speculant(backend, args.device, args.dtype, settings[0], target,
+                                                             draft, args.block_size, draft_ahead=ahead)
     arms["mlx-lm plain" if backend == "mlx" else "transformers plain"] = (MlxLm if backend == "mlx" else Transformers)(**common)
     if worker is not None:
         key = f"{backend}/{pair}"
@@ -265,6 +277,9 @@ def report(group: str, arms: dict, cells: dict) -> None:
         print(f"  speculant's speculative/plain over the reference's: {spread([a / b for a, b in zip(ours, theirs)])}")
         print(f"  speculant dflash / reference dflash (tok/s): {spread(per('speculant dflash', 'reference dflash'))}")
     for name in rates:
+        if name.startswith("speculant dflash <") and "reference dflash" in rates:
+            print(f"  {name} / reference dflash (tok/s): {spread(per(name, 'reference dflash'))}")
+            print(f"  {name} / speculant plain: {spread(per(name, 'speculant plain'))}")
         if name.startswith("speculant") and "[" in name:
             base = name.split(" [")[0]
             print(f"  {name} / {base} ({arms[name].fast_path}): {spread(per(name, base))}")
@@ -285,6 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--compile", default="auto",
                         help="backend.compile: auto, on or off; comma-separated to compare settings side by side")
+    parser.add_argument("--verifier", default="auto",
+                        help="verifier.kind of the speculant dflash arms; comma-separated adds an arm per extra kind "
+                             "(e.g. auto,adaptive), under the first --compile setting")
+    parser.add_argument("--draft-ahead", default="auto",
+                        help="backend.draft_ahead of the speculant dflash arms; comma-separated adds an arm per extra "
+                             "setting (e.g. auto,off), under the first --compile setting")
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads on the CPU")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference dflash loop")
     parser.add_argument("--small", action="store_true", help="smoke run: 1 repeat, 8 tokens, a tiny mid pair")

@@ -84,5 +84,6 @@ log "set up in $(( $(date +%s) - START )) s; running benchmarks/fast_path.py"
 
 SPECULANT_REF_VENV="$REF" "$PY" benchmarks/fast_path.py --backend torch --device "$DEVICE" \
     --dtype "${DTYPE:-float32}" --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW:-64}" \
-    --compile "${COMPILE:-auto}" --pairs shipped,mid --hidden 1536 --layers 8 "${PASS[@]}"
+    --compile "${COMPILE:-auto}" --draft-ahead "${DRAFT_AHEAD:-auto,off}" --verifier "${VERIFIER:-auto,adaptive}" \
+    --pairs shipped,mid --hidden 1536 --layers 8 "${PASS[@]}"
 log "done in $(( $(date +%s) - START )) s"
