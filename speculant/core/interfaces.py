@@ -103,6 +103,11 @@ class TargetModel(ABC):
         """The target's output head ([n, H] -> [n, V] logits), with the family's logit transform
         (Gemma's soft-capping); ``raw=True`` gives the head alone, what DFlash drafts were trained on."""
 
+    def prepare_draft(self, module: Any) -> str | None:
+        """Lay a drafter's modules out for this target's fast path (the CPU's packed weights on
+        PyTorch); returns what was done, or None when nothing was."""
+        return None
+
 
 class Backend(ABC):
     """An array runtime: loads targets, provides ArrayOps, reports memory."""

@@ -12,10 +12,11 @@ from speculant.core.validator import read_target_info
 
 
 def load_frozen_target(path: str | Path, device: str = "cpu", dtype: str = "float32"):
-    """The target as inference loads it (TorchBackend + TorchTarget), frozen."""
+    """The target as inference loads it (TorchBackend + TorchTarget), frozen; its layers stay
+    plain ``nn.Linear`` (compile off), since the draft's loss back-propagates through its head."""
     from speculant.backends.torch.backend import TorchBackend
 
-    backend = TorchBackend(BackendConfig(kind="torch", device=device, dtype=dtype))
+    backend = TorchBackend(BackendConfig(kind="torch", device=device, dtype=dtype, compile="off"))
     return backend.load_target(str(path), read_target_info(Path(path)))
 
 

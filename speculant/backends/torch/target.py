@@ -10,6 +10,7 @@ import torch
 
 from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, StaticKV, compile_problem, static_rows, wants_compile
 from speculant.backends.torch.loading import logit_transform
+from speculant.backends.torch.packed import pack_linears, pack_problem
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording
 from speculant.core.interfaces import TargetModel
@@ -87,12 +88,15 @@ class TorchTarget(TargetModel):
         self._static: StaticKV | None = None  # the compiled path's cache, see compiled.py
         self._steps: CompiledSteps | None = None
         self._on_static = False  # this request runs on the static cache
+        self.packed = False  # linear layers reordered for oneDNN (packed.py)
         self._eager_reason = self._plan_fast_path(getattr(backend.config, "compile", "off"))
 
     def _plan_fast_path(self, setting: str) -> str:
         """Set up the compiled path where ``backend.compile`` asks for it and the target allows it;
         otherwise say why the forwards stay eager."""
         device = self.model.device
+        if setting == "auto" and device.type == "cpu":
+            return self._pack_weights()
         if not wants_compile(setting, device):
             return f"eager: backend.compile is {setting!r}" + (f" (auto compiles on CUDA only, not {device.type})"
                                                                if setting == "auto" else "")
@@ -103,6 +107,17 @@ class TorchTarget(TargetModel):
         self._static = StaticKV(self.model.config, rows)
         self._steps = CompiledSteps(self._static_step, device)
         return ""
+
+    def _pack_weights(self) -> str:
+        """The CPU's ``auto``: eager forwards over linear weights reordered for oneDNN (packed.py)."""
+        problem = pack_problem(self.model.device, self.backend.dtype)
+        if problem is None:
+            count, problem = pack_linears(self.model)
+        if problem is not None:
+            return f"eager: {problem} (backend.compile=auto on cpu)"
+        self._head = self.model.get_output_embeddings()
+        self.packed = True
+        return f"eager; {count} linear layers packed for oneDNN (backend.compile=auto on cpu)"
 
     @property
     def fast_path(self) -> str:
@@ -251,6 +266,12 @@ class TorchTarget(TargetModel):
     @torch.inference_mode()
     def embed(self, token_ids) -> torch.Tensor:
         return self._embedding(token_ids)
+
+    def prepare_draft(self, module) -> str | None:
+        if not self.packed:
+            return None
+        count, problem = pack_linears(module)
+        return f"eager: {problem}" if problem else f"eager; {count} linear layers packed for oneDNN"
 
     @torch.inference_mode()
     def lm_head(self, hidden, *, raw: bool = False) -> torch.Tensor:

@@ -50,12 +50,14 @@ def place_and_quantize(model, config, info, backend):
     return model
 
 
-def compile_if_target_is(network, config, info, backend, target) -> None:
-    """Compile the draft step (dflash/compiled.py) where the target runs compiled: with an eager
-    target the draft's share of a cycle is not where the time goes, and compiling costs seconds."""
+def follow_target(network, config, info, backend, target) -> None:
+    """Run the draft step the way the target runs: compiled (dflash/compiled.py) where the target
+    is (with an eager target the draft's share of a cycle is not where the time goes, and
+    compiling costs seconds); over packed weights where the target's are (the CPU's ``auto``)."""
     if getattr(backend.config, "compile", "off") == "off":
         return
     if not str(getattr(target, "fast_path", "")).startswith("compiled"):
+        network.fast_path = target.prepare_draft(network.model) or network.fast_path
         return
     network.compile_step(config.block_size or info.default_block_size or info.trained_block_size or 2)
 
@@ -69,5 +71,5 @@ def load_torch_drafter(config, info, backend, target):
     model = DFlashModel(cfg)
     load_into(model, config.path, rename=muse_glimmer.TENSOR_NAMES if cfg.is_muse_glimmer else None)
     network = TorchDFlashNetwork(place_and_quantize(model, config, info, backend), target, backend)
-    compile_if_target_is(network, config, info, backend, target)
+    follow_target(network, config, info, backend, target)
     return DFlashDrafter(network, info, backend)

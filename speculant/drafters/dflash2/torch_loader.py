@@ -6,7 +6,7 @@ from speculant.core.checkpoint import tensor_inventory
 from speculant.core.errors import CheckpointError
 from speculant.drafters import quantization
 from speculant.drafters.dflash.torch_loader import (
-    compile_if_target_is,
+    follow_target,
     load_into,
     place_and_quantize,
 )
@@ -27,5 +27,5 @@ def load_torch_dflash2(config, info, backend, target):
     if q is not None and q.quantize_all:
         model.candidate_selector.codebooks_as_embeddings()
     network = TorchDFlash2Network(place_and_quantize(model, config, info, backend), target, backend)
-    compile_if_target_is(network, config, info, backend, target)
+    follow_target(network, config, info, backend, target)
     return DFlash2Drafter(network, info, backend)

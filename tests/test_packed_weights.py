@@ -1,0 +1,79 @@
+"""The CPU's ``backend.compile: auto`` on PyTorch: the target's and the draft's ``nn.Linear``
+layers reordered once for oneDNN (backends/torch/packed.py). Only the rounding may change: the
+same tokens as the dense layers (plain and speculative, with the same acceptance lengths), each
+layer checked at load, and the dense layers kept, with the reason, where packing fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import speculant
+from speculant.backends.torch import packed
+from speculant.backends.torch.packed import PackedLinear, pack_linears
+
+PROMPT = [5, 6, 7]
+
+
+def engine(pair, compile, draft=True, dtype="float32"):
+    config = {"backend": {"kind": "torch", "device": "cpu", "dtype": dtype, "compile": compile},
+              "target": {"path": str(pair["target"])}}
+    if draft:
+        config["drafter"] = {"kind": "dflash", "path": str(pair["draft"])}
+    return speculant.load_engine(config)
+
+
+def layers(model, kind):
+    return [m for m in model.modules() if type(m) is kind]
+
+
+def test_auto_packs_the_target_and_draft_and_changes_no_token(planted_pair):
+    packed_engine, dense_engine = engine(planted_pair, "auto"), engine(planted_pair, "off")
+    target, draft = packed_engine.target.model, packed_engine.drafter.net.model
+    assert layers(target, nn.Linear) == [] and len(layers(target, PackedLinear)) > 0
+    assert layers(draft, nn.Linear) == [] and len(layers(draft, PackedLinear)) > 0
+    assert "packed for oneDNN" in packed_engine.target.fast_path
+    assert "packed for oneDNN" in packed_engine.drafter.net.fast_path
+    assert layers(dense_engine.target.model, PackedLinear) == []
+    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=64, block_size=16, ignore_eos=True)
+    fast, slow = packed_engine.run(**kwargs), dense_engine.run(**kwargs)
+    plain = dense_engine.without_drafter().run(**kwargs)
+    assert fast.token_ids == slow.token_ids == plain.token_ids
+    assert fast.stats.acceptance_lengths == slow.stats.acceptance_lengths
+    assert min(fast.stats.acceptance_lengths) < 16 < max(fast.stats.acceptance_lengths) + 1
+    assert packed_engine.without_drafter().run(**kwargs).token_ids == plain.token_ids
+
+
+def test_not_packed_in_bfloat16_nor_when_compiled_and_the_reason_is_shown(planted_pair):
+    bf16 = engine(planted_pair, "auto", draft=False, dtype="bfloat16")
+    assert bf16.target.fast_path.startswith("eager: packed weights are float32 only")
+    assert layers(bf16.target.model, PackedLinear) == []
+
+
+def test_a_layer_that_disagrees_keeps_every_layer_dense(planted_pair, monkeypatch):
+    def off_by_a_little(self, x):
+        return nn.functional.linear(x, self.dense if self.dense is not None else torch.zeros(1), self.bias) * 1.01
+
+    monkeypatch.setattr(PackedLinear, "forward", off_by_a_little)
+    eng = engine(planted_pair, "auto", draft=False)
+    assert eng.target.fast_path.startswith("eager: packing the linear weights failed (ValueError:"), eng.target.fast_path
+    assert "off the dense one" in eng.target.fast_path
+    assert layers(eng.target.model, PackedLinear) == [] and layers(eng.target.model, nn.Linear)
+    assert not eng.target.packed
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (1024, 2100)])  # under and over DENSE_ONE_ROW_BYTES
+def test_packed_products_round_like_dense_ones(shape):
+    torch.manual_seed(0)
+    holder = nn.Sequential(nn.Linear(*shape, bias=True))
+    dense = holder[0]
+    assert pack_linears(holder) == (1, None)
+    layer = holder[0]
+    big = shape[0] * shape[1] * 4 >= packed.DENSE_ONE_ROW_BYTES
+    assert (layer.dense is None) == big  # a large dense weight is released
+    for rows in (1, 3, 8, 17):
+        x = torch.randn(rows, shape[0])
+        torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
+    x = torch.randn(2, 5, shape[0])  # batched rows keep their shape
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
