@@ -68,7 +68,7 @@ def forwards(rows: list[int], hidden: int, layers: int, repeats: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target, _, prompt = mid_pair(Path(tmp), hidden, layers, 64)
         print(f"target forward over a 64-token cache, {hidden} x {layers} layers, ms by rows (x one row):")
-        for kind, compile in (("torch", "off"), ("torch", "on"), ("mlx", "off")):
+        for kind, compile in (("torch", "off"), ("torch", "auto"), ("torch", "on"), ("mlx", "off")):
             engine = speculant.load_engine({"backend": {"kind": kind, "device": "cpu", "dtype": "float32",
                                                         "compile": compile}, "target": {"path": str(target)}})
             model, ops = engine.target, engine.backend.ops
