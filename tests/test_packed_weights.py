@@ -77,3 +77,23 @@ def test_packed_products_round_like_dense_ones(shape):
         torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
     x = torch.randn(2, 5, shape[0])  # batched rows keep their shape
     torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_mtp_draft_is_packed_with_its_target(tmp_path, torch_threads):
+    from speculant.testing.tiny import build_tiny_target
+    from speculant.testing.tiny_mtp import build_tiny_mtp
+
+    target = build_tiny_target(tmp_path / "target", seed=0, planted=7.5)
+    build_tiny_mtp(target, seed=3)
+
+    def mtp(compile):
+        return speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32",
+                                                  "compile": compile},
+                                      "target": {"path": str(target)}, "drafter": {"kind": "mtp"}})
+
+    fast, slow = mtp("auto"), mtp("off")
+    assert "packed for oneDNN" in fast.drafter.net.fast_path and slow.drafter.net.fast_path == "eager"
+    assert layers(fast.drafter.net.model, nn.Linear) == [] and layers(fast.drafter.net.model, PackedLinear)
+    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=32, ignore_eos=True)
+    a, b = fast.run(**kwargs), slow.run(**kwargs)
+    assert a.token_ids == b.token_ids and a.stats.acceptance_lengths == b.stats.acceptance_lengths

@@ -366,4 +366,6 @@ def load_torch_network(cfg: MTPConfig, backend, target) -> TorchMTPNetwork:
     model = build_model(cfg, read_mtp_tensors(cfg))
     model.to(device=backend._device, dtype=backend.dtype).eval().requires_grad_(False)
     model.inv_freq = model.inv_freq.to(backend._device)
-    return TorchMTPNetwork(model, target, backend)
+    network = TorchMTPNetwork(model, target, backend)
+    network.fast_path = target.prepare_draft(model) or "eager"  # packed where the target is
+    return network
