@@ -152,7 +152,7 @@ class Loop:
         if n > 0:
             self._last_whole = accepted == n
         commit_s = 0.0
-        if self._ahead is not None and not self._keep_ahead(verification, n):
+        if self._ahead is not None and not self._keep_ahead(verification):
             self._ahead = None
             e.drafter.withdraw_ahead()
         if self.speculating and self._ahead is None:
@@ -183,10 +183,10 @@ class Loop:
             self.stats.drafts_ahead += 1
         return draft
 
-    def _keep_ahead(self, verification: Verification, submitted: int) -> bool:
-        """Whether the block was accepted whole, so the draft made ahead is the next cycle's."""
-        whole = verification.accepted == submitted
-        kept = whole and verification.token_ids[-1] == self.e.backend.ops.to_list(self._ahead_anchor)[0]
+    def _keep_ahead(self, verification: Verification) -> bool:
+        """Whether the block was accepted whole (``_last_whole``, just updated) after the argmax the
+        draft made ahead started from, so that draft is the next cycle's."""
+        kept = self._last_whole and verification.token_ids[-1] == self.e.backend.ops.to_list(self._ahead_anchor)[0]
         self.stats.drafts_ahead_kept += int(kept)
         return kept
 
