@@ -51,9 +51,10 @@ def feed_forwards(layers: list) -> list[tuple[nn.Module, str]]:
     return found
 
 
-def apply(layers: list, setting: str, device: str) -> str:
-    """Compile what ``setting`` asks for on ``device``; returns the ``fast_path`` description."""
-    pipelined = "plain greedy steps pipelined (async_eval)"
+def apply(layers: list, setting: str, device: str, weights: str | None = None) -> str:
+    """Compile what ``setting`` asks for on ``device``; returns the ``fast_path`` description,
+    ending with ``weights`` (what was done to the weights' layout) when given."""
+    pipelined = "plain greedy steps pipelined (async_eval)" + (f"; {weights}" if weights else "")
     if setting == "off":
         return f"mlx: eager forwards (backend.compile=off); {pipelined}"
     if setting == "auto" and device not in PAYS_ON:

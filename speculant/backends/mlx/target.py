@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from speculant.backends.mlx import compiled, families
+from speculant.backends.mlx import compiled, families, layout
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
@@ -112,13 +112,15 @@ class MLXTarget(TargetModel):
         self._inner = text_model(model)
         self._recorder = install_taps(model)
         self._delta_layers = install_delta_taps(self._inner.layers)
-        self._head = _output_head(model, self._inner)
         self._embed_scale = families.embed_scale(model, self._inner)
         self._logit_transform = families.logit_transform(model)
         self._length = 0
         self.cache = self._new_cache()
-        config = getattr(backend, "config", None)
-        self.fast_path = compiled.apply(self._inner.layers, getattr(config, "compile", "auto"), backend.device)
+        setting = getattr(getattr(backend, "config", None), "compile", "auto")
+        self.transposed = False  # float32 linear weights stored [in, out] for the CPU (layout.py)
+        weights = self._transpose_weights(setting)
+        self._head = _output_head(model, self._inner)
+        self.fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights)
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
@@ -128,6 +130,23 @@ class MLXTarget(TargetModel):
             model.set_dtype(backend.dtype)
         mx.eval(model.parameters())
         return cls(model, load_tokenizer(path, info), info, backend)
+
+    def _transpose_weights(self, setting: str) -> str | None:
+        """The CPU's fast path unless ``backend.compile`` is off: linear weights stored transposed."""
+        if setting == "off" or self.backend.device != "cpu":
+            return None
+        count, problem = layout.transpose_linears(self.model)
+        if problem:
+            return f"linear weights as loaded ({problem})"
+        self.transposed = True
+        tied = _output_head(self.model) is None and layout.transpose_tied_head(self._inner)
+        return f"{count} linear layers{' and the tied head' if tied else ''} stored transposed for the CPU's matmul"
+
+    def prepare_draft(self, module) -> str | None:
+        if not self.transposed:
+            return None
+        count, problem = layout.transpose_linears(module)
+        return f"eager: {problem}" if problem else f"eager; {count} linear layers stored transposed"
 
     # -- cache -----------------------------------------------------------------------------
     def _new_cache(self) -> list:
@@ -236,12 +255,14 @@ class MLXTarget(TargetModel):
         return logits if raw or self._logit_transform is None else self._logit_transform(logits)
 
 
-def _output_head(model: nn.Module, inner: nn.Module):
+def _output_head(model: nn.Module, inner: nn.Module | None = None):
+    """The model's ``lm_head``; for tied embeddings ``inner.embed_tokens.as_linear``, or None
+    when ``inner`` is not given."""
     for owner in (model, getattr(model, "language_model", None)):
         head = getattr(owner, "lm_head", None) if owner is not None else None
         if head is not None:
             return head
-    return inner.embed_tokens.as_linear  # tied embeddings
+    return None if inner is None else inner.embed_tokens.as_linear
 
 
 def _join(parts: list) -> mx.array | None:

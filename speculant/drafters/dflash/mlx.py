@@ -129,6 +129,7 @@ class MLXDFlashNetwork:
         self.target = target
         self.dtype = dtype  # the draft's compute dtype
         self.target_dtype = target.embed(mx.array([0], dtype=mx.int32)).dtype  # what the target's head takes
+        self.fast_path = target.prepare_draft(model) or "eager"  # transposed weights where the target's are
         self.windows = [layer.window for layer in model.layers]
         self.cache = ContextCache(self.windows, allocate)
 

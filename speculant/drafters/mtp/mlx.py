@@ -291,6 +291,7 @@ class MLXMTPNetwork:
         self.cfg = model.cfg
         self.target = target
         self.dtype = dtype
+        self.fast_path = target.prepare_draft(model) or "eager"  # transposed weights where the target's are
         self.caches = [LayerCache() for _ in range(self.cfg.num_layers)]
 
     def reset(self) -> None:

@@ -1,0 +1,117 @@
+"""Linear weights stored transposed, the CPU fast path of ``backend.compile`` on MLX.
+
+``nn.Linear`` computes ``x @ W.T`` over a weight stored [out, in]. On MLX's CPU the product goes
+to the BLAS the wheel was built with (the Linux wheel bundles the reference BLAS), whose cost grows
+with the rows, and which is 25-30 % faster over a weight stored [in, out] (``x @ W_t``) for 1 to 16
+rows in float32, with the same results (``benchmarks/matmul_rows.py``, docs/fast-path.md). In
+bfloat16 or float16 it gained nothing, so only float32 layers are transposed. The target's
+``nn.Linear`` layers (exactly that class: quantized ones stay) become :class:`TransposedLinear`,
+each checked against the dense product on a few rows; the drafter's are transposed too
+(``TargetModel.prepare_draft``). A head tied to the embedding reads a transposed copy of the
+table (:class:`TransposedTiedEmbedding`) where the copy is not too large.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from speculant.backends.mlx.wrapper import Wrapper
+
+CHECK_TOLERANCE = 1e-4  # largest |transposed - dense| difference, relative to the product's scale
+TIED_COPY_BYTES = 1 << 30  # a tied head's transposed copy of the embedding is made only below this
+
+
+class TransposedLinear(nn.Module):
+    """``nn.Linear`` over its weight stored [in, out]."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight_t = mx.contiguous(linear.weight.T)
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    @property
+    def weight(self) -> mx.array:
+        """The [out, in] view that model code inspecting ``layer.weight`` expects."""
+        return self.weight_t.T
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return mx.addmm(self.bias, x, self.weight_t)
+        return x @ self.weight_t
+
+
+class TransposedTiedEmbedding(Wrapper):
+    """An embedding whose ``as_linear`` (the tied output head) reads a transposed copy of the table."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__(embedding)
+        self.weight_t = mx.contiguous(embedding.weight.T)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.module(ids)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self.weight_t
+
+
+def transpose_linears(model: nn.Module) -> tuple[int, str | None]:
+    """Swap every float32 ``nn.Linear`` of ``model`` for a checked :class:`TransposedLinear`:
+    (layers swapped, None), or (0, why not) with the model left as it was."""
+    found = [(parent, key, child, path) for parent, key, child, path in _children(model)
+             if type(child) is nn.Linear and child.weight.dtype == mx.float32]
+    if not found:
+        return 0, "no float32 nn.Linear layers to transpose"
+    done = []
+    for parent, key, linear, path in found:
+        swapped = TransposedLinear(linear)
+        error = _relative_error(linear, swapped)
+        if not error <= CHECK_TOLERANCE:  # also catches NaN
+            for owner, done_key, original in done:
+                _set(owner, done_key, original)
+            return 0, f"{path}: the transposed product is {error:.2g} off the dense one (relative)"
+        _set(parent, key, swapped)
+        done.append((parent, key, linear))
+    return len(found), None
+
+
+def transpose_tied_head(inner: nn.Module) -> bool:
+    """Give a tied head (``embed_tokens.as_linear``) a transposed copy of the table, if it is
+    float32 and the copy is under ``TIED_COPY_BYTES``; whether it did."""
+    embedding = inner.embed_tokens
+    if type(embedding) is not nn.Embedding or embedding.weight.dtype != mx.float32:
+        return False
+    if embedding.weight.nbytes >= TIED_COPY_BYTES:
+        return False
+    inner.embed_tokens = TransposedTiedEmbedding(embedding)
+    mx.eval(inner.embed_tokens.weight_t)
+    return True
+
+
+def _children(module: nn.Module, prefix: str = ""):
+    """(owner, key, child, dotted path) for every module under ``module``; list owners get int keys."""
+    items = module.items() if isinstance(module, dict) else enumerate(module)
+    for key, value in items:
+        path = f"{prefix}{key}"
+        if isinstance(value, nn.Module):
+            yield module, key, value, path
+            yield from _children(value, path + ".")
+        elif isinstance(value, (list, dict)):
+            yield from _children(value, path + ".")
+
+
+def _set(owner, key, value) -> None:
+    if isinstance(owner, nn.Module):
+        setattr(owner, key, value)
+    else:
+        owner[key] = value
+
+
+def _relative_error(linear: nn.Linear, swapped: TransposedLinear) -> float:
+    x = mx.random.normal((3, linear.weight.shape[1]), key=mx.random.key(0)).astype(linear.weight.dtype)
+    dense = linear(x)
+    scale = mx.abs(dense).max().item() or 1.0
+    error = mx.abs(swapped(x) - dense).max().item() / scale
+    mx.eval(swapped.weight_t)
+    return error

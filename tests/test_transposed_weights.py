@@ -1,0 +1,111 @@
+"""The CPU's ``backend.compile`` on MLX: the target's and the draft's float32 ``nn.Linear`` layers
+stored transposed (backends/mlx/layout.py). The products are the same: the same tokens as the
+layers as loaded (plain and speculative, with the same acceptance lengths), each layer checked at
+load, and the layers as loaded kept, with the reason, where a product disagrees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import speculant
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.mlx
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from speculant.backends.mlx.layout import TransposedLinear, TransposedTiedEmbedding, transpose_linears  # noqa: E402
+
+PROMPT = [5, 6, 7]
+
+
+def engine(target, compile="auto", draft=None, dtype="float32", kind="dflash"):
+    config = {"backend": {"kind": "mlx", "device": "cpu", "dtype": dtype, "compile": compile},
+              "target": {"path": str(target)}}
+    if draft is not None:
+        config["drafter"] = {"kind": kind, "path": str(draft)}
+    return speculant.load_engine(config)
+
+
+def layers(model, kind):
+    return [m for _, m in model.named_modules() if type(m) is kind]
+
+
+def test_auto_transposes_the_target_and_draft_and_changes_no_token(planted_pair):
+    fast_engine = engine(planted_pair["target"], "auto", planted_pair["draft"])
+    dense_engine = engine(planted_pair["target"], "off", planted_pair["draft"])
+    target, draft = fast_engine.target.model, fast_engine.drafter.net.model
+    assert layers(target, nn.Linear) == [] and len(layers(target, TransposedLinear)) > 0
+    assert layers(draft, nn.Linear) == [] and len(layers(draft, TransposedLinear)) > 0
+    assert "stored transposed" in fast_engine.target.fast_path
+    assert "stored transposed" in fast_engine.drafter.net.fast_path
+    assert layers(dense_engine.target.model, TransposedLinear) == []
+    assert dense_engine.drafter.net.fast_path == "eager"
+    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=64, block_size=16, ignore_eos=True)
+    fast, slow = fast_engine.run(**kwargs), dense_engine.run(**kwargs)
+    plain = dense_engine.without_drafter().run(**kwargs)
+    assert fast.token_ids == slow.token_ids == plain.token_ids
+    assert fast.stats.acceptance_lengths == slow.stats.acceptance_lengths
+    assert min(fast.stats.acceptance_lengths) < 16 < max(fast.stats.acceptance_lengths) + 1
+    assert fast_engine.without_drafter().run(**kwargs).token_ids == plain.token_ids
+
+
+def test_not_transposed_in_bfloat16(planted_pair):
+    bf16 = engine(planted_pair["target"], "auto", dtype="bfloat16")
+    assert layers(bf16.target.model, TransposedLinear) == [] and not bf16.target.transposed
+    assert "no float32 nn.Linear layers to transpose" in bf16.target.fast_path
+
+
+def test_a_layer_that_disagrees_keeps_every_layer_as_loaded(planted_pair, monkeypatch):
+    monkeypatch.setattr(TransposedLinear, "__call__", lambda self, x: (x @ self.weight_t) * 1.01)
+    eng = engine(planted_pair["target"], "auto")
+    assert "linear weights as loaded (" in eng.target.fast_path and "off the dense one" in eng.target.fast_path
+    assert layers(eng.target.model, TransposedLinear) == [] and layers(eng.target.model, nn.Linear)
+    assert not eng.target.transposed
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_products_equal_the_dense_ones(bias):
+    holder = nn.Sequential(nn.Linear(96, 200, bias=bias))
+    dense = holder.layers[0]
+    assert transpose_linears(holder) == (1, None)
+    layer = holder.layers[0]
+    assert isinstance(layer, TransposedLinear)
+    assert mx.array_equal(layer.weight, dense.weight).item()  # model code reading .weight sees [out, in]
+    for rows in (1, 3, 8, 17):
+        x = mx.random.normal((2, rows, 96), key=mx.random.key(rows))
+        np.testing.assert_allclose(np.array(layer(x)), np.array(dense(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_head_reads_a_transposed_copy(tmp_path, torch_threads):
+    from speculant.testing.tiny import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    fast, slow = engine(target, "auto"), engine(target, "off")
+    assert isinstance(fast.target._inner.embed_tokens, TransposedTiedEmbedding)
+    assert "and the tied head stored transposed" in fast.target.fast_path
+    logits = []
+    for e in (fast, slow):
+        e.target.reset()
+        e.target.prefill(PROMPT)
+        logits.append(np.array(e.target.forward(e.backend.int_array([9, 10, 11])).logits))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert fast.run(**kwargs).token_ids == slow.run(**kwargs).token_ids
+
+
+def test_the_mtp_draft_is_transposed_with_its_target(tmp_path, torch_threads):
+    from speculant.testing.tiny import build_tiny_target
+    from speculant.testing.tiny_mtp import build_tiny_mtp
+
+    target = build_tiny_target(tmp_path / "target", seed=0, planted=7.5)
+    folder = build_tiny_mtp(target, seed=3, folder=tmp_path / "mtp")
+    fast, slow = engine(target, "auto", folder, kind="mtp"), engine(target, "off", folder, kind="mtp")
+    assert "stored transposed" in fast.drafter.net.fast_path and slow.drafter.net.fast_path == "eager"
+    assert layers(fast.drafter.net.model, nn.Linear) == [] and layers(fast.drafter.net.model, TransposedLinear)
+    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=32, ignore_eos=True)
+    a, b = fast.run(**kwargs), slow.run(**kwargs)
+    assert a.token_ids == b.token_ids and a.stats.acceptance_lengths == b.stats.acceptance_lengths
