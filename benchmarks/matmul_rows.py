@@ -1,6 +1,6 @@
 """What a verify block costs against a one-token step, from the bottom: one projection's
 matmul ``[rows, K] x [K, N]`` on PyTorch and on MLX, and a whole target forward of ``rows``
-tokens over a KV cache (speculant's own target, eager and compiled), per number of rows.
+tokens over a KV cache (speculant's own target, per ``backend.compile`` setting), per number of rows.
 
     python benchmarks/matmul_rows.py [--rows 1,2,4,8,16] [--hidden 512] [--layers 8] [--repeats 30]
 
@@ -47,16 +47,19 @@ def matmuls(rows: list[int], hidden: int, repeats: int) -> None:
     n = 3 * hidden  # an MLP projection's shape
     w_torch = torch.randn(n, hidden)
     w_mlx = mx.random.normal((n, hidden))
-    mx.eval(w_mlx)
-    torch_costs, mlx_costs = {}, {}
+    w_mlx_t = mx.contiguous(w_mlx.T)  # the layout of backend.compile auto on MLX's CPU (layout.py)
+    mx.eval(w_mlx, w_mlx_t)
+    torch_costs, mlx_costs, mlx_t_costs = {}, {}, {}
     for r in rows:
         x_torch, x_mlx = torch.randn(r, hidden), mx.random.normal((r, hidden))
         mx.eval(x_mlx)
         torch_costs[r] = median_ms(lambda: torch.nn.functional.linear(x_torch, w_torch), repeats)  # noqa: B023
         mlx_costs[r] = median_ms(lambda: mx.eval(x_mlx @ w_mlx.T), repeats)  # noqa: B023
+        mlx_t_costs[r] = median_ms(lambda: mx.eval(x_mlx @ w_mlx_t), repeats)  # noqa: B023
     print(f"matmul [rows, {hidden}] x [{hidden}, {n}], ms by rows (x one row):")
     line("torch F.linear", torch_costs)
     line("mlx x @ w.T (cpu)", mlx_costs)
+    line("mlx x @ w_t, stored [in, out] (cpu)", mlx_t_costs)
 
 
 def forwards(rows: list[int], hidden: int, layers: int, repeats: int) -> None:
@@ -68,7 +71,7 @@ def forwards(rows: list[int], hidden: int, layers: int, repeats: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target, _, prompt = mid_pair(Path(tmp), hidden, layers, 64)
         print(f"target forward over a 64-token cache, {hidden} x {layers} layers, ms by rows (x one row):")
-        for kind, compile in (("torch", "off"), ("torch", "auto"), ("torch", "on"), ("mlx", "off")):
+        for kind, compile in (("torch", "off"), ("torch", "auto"), ("torch", "on"), ("mlx", "off"), ("mlx", "auto")):
             engine = speculant.load_engine({"backend": {"kind": kind, "device": "cpu", "dtype": "float32",
                                                         "compile": compile}, "target": {"path": str(target)}})
             model, ops = engine.target, engine.backend.ops

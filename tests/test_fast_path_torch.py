@@ -58,7 +58,8 @@ def compiled_plain(pair):
 
 def test_auto_does_not_compile_on_cpu_and_says_what_it_does(pair):
     engine = speculant.load_engine(config(pair[0], compile="auto"))
-    assert engine.target.fast_path.startswith("eager; ") and "packed for oneDNN" in engine.target.fast_path
+    said = engine.target.fast_path  # packed, or why not (measured no faster on this CPU)
+    assert said.startswith("eager") and ("packed for oneDNN" in said or "measured no faster" in said), said
     assert engine.target._steps is None
     stats = engine.run(prompt_ids=PROMPTS["short"], max_new_tokens=3).stats
     assert stats.fast_path == engine.target.fast_path

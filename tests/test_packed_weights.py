@@ -16,6 +16,13 @@ from speculant.backends.torch.packed import PackedLinear, pack_linears
 PROMPT = [5, 6, 7]
 
 
+@pytest.fixture(autouse=True)
+def packing_pays(monkeypatch):
+    """Whether packing pays is measured at load and depends on the CPU; these tests check what
+    packing does, so they take it as measured to pay (test_timing.py measures for real)."""
+    monkeypatch.setattr(packed, "measured_speedup", lambda pairs: 2.0)
+
+
 def engine(pair, compile, draft=True, dtype="float32"):
     config = {"backend": {"kind": "torch", "device": "cpu", "dtype": dtype, "compile": compile},
               "target": {"path": str(pair["target"])}}
@@ -61,6 +68,17 @@ def test_a_layer_that_disagrees_keeps_every_layer_dense(planted_pair, monkeypatc
     assert "off the dense one" in eng.target.fast_path
     assert layers(eng.target.model, PackedLinear) == [] and layers(eng.target.model, nn.Linear)
     assert not eng.target.packed
+
+
+def test_packing_measured_no_faster_keeps_the_dense_layers_and_says_so(planted_pair, monkeypatch):
+    measured = []
+    monkeypatch.setattr(packed, "measured_speedup", lambda pairs: measured.append(pairs) or 0.97)
+    eng = engine(planted_pair, "auto")
+    assert "packed products were measured no faster than dense ones on this CPU (0.97x)" in eng.target.fast_path
+    assert layers(eng.target.model, PackedLinear) == [] and not eng.target.packed
+    assert eng.drafter.net.fast_path == "eager"
+    shapes = {(d.in_features, d.out_features) for d, _ in measured[0]}
+    assert len(measured) == 1 and len(measured[0]) == len(layers(eng.target.model, nn.Linear)) and len(shapes) > 2
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (1024, 2100)])  # under and over DENSE_ONE_ROW_BYTES

@@ -17,9 +17,17 @@ pytestmark = pytest.mark.mlx
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+from speculant.backends.mlx import layout  # noqa: E402
 from speculant.backends.mlx.layout import TransposedLinear, TransposedTiedEmbedding, transpose_linears  # noqa: E402
 
 PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(autouse=True)
+def transposing_pays(monkeypatch):
+    """Whether transposing pays is measured at load and depends on the CPU; these tests check
+    what it does, so they take it as measured to pay (test_timing.py measures for real)."""
+    monkeypatch.setattr(layout, "measured_speedup", lambda pairs: 2.0)
 
 
 def engine(target, compile="auto", draft=None, dtype="float32", kind="dflash"):
@@ -65,6 +73,16 @@ def test_a_layer_that_disagrees_keeps_every_layer_as_loaded(planted_pair, monkey
     assert "linear weights as loaded (" in eng.target.fast_path and "off the dense one" in eng.target.fast_path
     assert layers(eng.target.model, TransposedLinear) == [] and layers(eng.target.model, nn.Linear)
     assert not eng.target.transposed
+
+
+def test_transposing_measured_no_faster_keeps_the_layers_as_loaded(planted_pair, monkeypatch):
+    monkeypatch.setattr(layout, "measured_speedup", lambda pairs: 0.98)
+    eng = engine(planted_pair["target"], "auto", planted_pair["draft"])
+    assert "measured no faster than the layout as loaded on this CPU (0.98x)" in eng.target.fast_path
+    assert layers(eng.target.model, TransposedLinear) == [] and not eng.target.transposed
+    assert eng.drafter.net.fast_path == "eager"
+    on = engine(planted_pair["target"], "on")  # 'on' does not ask the clock
+    assert on.target.transposed and layers(on.target.model, TransposedLinear)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -4,7 +4,9 @@
 to the BLAS the wheel was built with (the Linux wheel bundles the reference BLAS), whose cost grows
 with the rows, and which is 25-30 % faster over a weight stored [in, out] (``x @ W_t``) for 1 to 16
 rows in float32, with the same results (``benchmarks/matmul_rows.py``, docs/fast-path.md). In
-bfloat16 or float16 it gained nothing, so only float32 layers are transposed. The target's
+bfloat16 or float16 it gained nothing, so only float32 layers are transposed, and since another
+BLAS (Accelerate on a Mac's CPU) may rank the layouts otherwise, the target's ``auto`` times both
+on its own layer shapes at load (:func:`measured_speedup`) and keeps the faster. The target's
 ``nn.Linear`` layers (exactly that class: quantized ones stay) become :class:`TransposedLinear`,
 each checked against the dense product on a few rows; the drafter's are transposed too
 (``TargetModel.prepare_draft``). A head tied to the embedding reads a transposed copy of the
@@ -17,7 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from speculant.backends.mlx.wrapper import Wrapper
+from speculant.core import timing
 
+MEASURED_ROWS = (1, 8)  # a plain step and a verify block: what auto times both layouts on
 CHECK_TOLERANCE = 1e-4  # largest |transposed - dense| difference, relative to the product's scale
 TIED_COPY_BYTES = 1 << 30  # a tied head's transposed copy of the embedding is made only below this
 
@@ -56,8 +60,9 @@ class TransposedTiedEmbedding(Wrapper):
         return x @ self.weight_t
 
 
-def transpose_linears(model: nn.Module) -> tuple[int, str | None]:
-    """Swap every float32 ``nn.Linear`` of ``model`` for a checked :class:`TransposedLinear`:
+def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | None]:
+    """Swap every float32 ``nn.Linear`` of ``model`` for a checked :class:`TransposedLinear`, and,
+    with ``measure``, only if the transposed products are measured faster here (core/timing.py):
     (layers swapped, None), or (0, why not) with the model left as it was."""
     found = [(parent, key, child, path) for parent, key, child, path in _children(model)
              if type(child) is nn.Linear and child.weight.dtype == mx.float32]
@@ -68,12 +73,36 @@ def transpose_linears(model: nn.Module) -> tuple[int, str | None]:
         swapped = TransposedLinear(linear)
         error = _relative_error(linear, swapped)
         if not error <= CHECK_TOLERANCE:  # also catches NaN
-            for owner, done_key, original in done:
-                _set(owner, done_key, original)
+            _restore(done)
             return 0, f"{path}: the transposed product is {error:.2g} off the dense one (relative)"
         _set(parent, key, swapped)
-        done.append((parent, key, linear))
+        done.append((parent, key, linear, swapped))
+    gain = measured_speedup([(linear, swapped) for *_, linear, swapped in done]) if measure else None
+    if gain is not None and not gain >= timing.MARGIN:
+        _restore(done)
+        return 0, f"transposed products were measured no faster than the layout as loaded on this CPU ({gain:.2f}x)"
     return len(found), None
+
+
+def measured_speedup(pairs: list[tuple[nn.Linear, TransposedLinear]]) -> float:
+    """Time as loaded over time transposed, for one layer of each shape (weighted by how many
+    share it), over a plain step's row and a verify block's."""
+    shapes: dict[tuple, list] = {}
+    for dense, swapped in pairs:
+        key = (*dense.weight.shape, "bias" in dense)
+        shapes.setdefault(key, [0, dense, swapped])[0] += 1
+    cases = []
+    for count, dense, swapped in shapes.values():
+        xs = [mx.random.normal((rows, dense.weight.shape[1]), key=mx.random.key(rows)) for rows in MEASURED_ROWS]
+        mx.eval(xs)
+        cases.append((count, lambda t=swapped, xs=xs: mx.eval([t(x) for x in xs]),
+                      lambda d=dense, xs=xs: mx.eval([d(x) for x in xs])))
+    return timing.speedup(cases)
+
+
+def _restore(done: list) -> None:
+    for owner, key, original, _ in done:
+        _set(owner, key, original)
 
 
 def transpose_tied_head(inner: nn.Module) -> bool:

@@ -135,7 +135,7 @@ class MLXTarget(TargetModel):
         """The CPU's fast path unless ``backend.compile`` is off: linear weights stored transposed."""
         if setting == "off" or self.backend.device != "cpu":
             return None
-        count, problem = layout.transpose_linears(self.model)
+        count, problem = layout.transpose_linears(self.model, measure=setting == "auto")
         if problem:
             return f"linear weights as loaded ({problem})"
         self.transposed = True

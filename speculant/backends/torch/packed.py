@@ -11,8 +11,14 @@ which holds the reordered weight, and the dense one only where it is small (unde
 measured faster for such weights. Larger dense weights are released (a head tied to the
 embedding leaves its table with the embedding). Results differ from F.linear's by rounding (the order of the sums), as a
 wider verify block's already do: :func:`pack_linears` checks each packed layer against its dense
-product and keeps the dense layers if one disagrees beyond that, or if packing fails. The
-drafter's layers are packed too (``Backend.prepare_draft``) when the target's are.
+product and keeps the dense layers if one disagrees beyond that, or if packing fails.
+
+Whether it pays depends on the CPU: on a 2-core AMD EPYC a packed verify block of 8 cost 1.3
+one-row forwards against 1.7 dense, while on an Intel Xeon with AVX-512, where MKL's small GEMMs
+are already flat in the rows, packed products were 10 % slower. So the target's ``auto`` times
+both on its own layer shapes at load (:func:`measured_speedup`, core/timing.py) and keeps the
+dense layers unless packing is faster. The drafter's layers are packed too
+(``Backend.prepare_draft``) when the target's are.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speculant.core import timing
+
 BATCH_HINT = 8  # rows oneDNN lays the weight out for; any row count runs on it
 # Below this a one-row F.linear beat oneDNN's packed product (2 cores, 2026-12-02: 3 MB 85 vs 52-138 us
 # depending on the OpenMP wait policy, 13 MB 279-712 vs 138-317 us), so such layers keep both.
 DENSE_ONE_ROW_BYTES = 8 << 20
+MEASURED_ROWS = (1, 8)  # a plain step and a verify block: what auto times both layouts on
 CHECK_TOLERANCE = 1e-4  # largest |packed - dense| difference, relative to the product's scale
 
 
@@ -64,10 +73,11 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module) -> tuple[int, str | None]:
+def pack_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | None]:
     """Swap every ``nn.Linear`` of ``model`` (exactly that class: quantized layers stay) for a
-    :class:`PackedLinear`, each checked against its dense product on a few rows: (layers packed,
-    None), or (0, why not) with the model left as it was."""
+    :class:`PackedLinear`, each checked against its dense product on a few rows, and, with
+    ``measure``, only if the packed products are measured faster here (core/timing.py):
+    (layers packed, None), or (0, why not) with the model left as it was."""
     found = _linears(model)
     if not found:
         return 0, "no nn.Linear layers to pack"
@@ -80,11 +90,33 @@ def pack_linears(model: nn.Module) -> tuple[int, str | None]:
                 raise ValueError(f"{name}: packed product {error:.2g} off the dense one (relative)")
             setattr(parent, name, packed)
             done.append((parent, name, linear))
+        gain = measured_speedup([(linear, getattr(parent, name)) for parent, name, linear in done]) if measure else None
     except Exception as exc:  # noqa: BLE001 -- an op oneDNN refuses here: the dense layers are exact
-        for parent, name, linear in done:
-            setattr(parent, name, linear)
+        _restore(done)
         return 0, f"packing the linear weights failed ({type(exc).__name__}: {str(exc)[:200]})"
+    if gain is not None and not gain >= timing.MARGIN:
+        _restore(done)
+        return 0, f"packed products were measured no faster than dense ones on this CPU ({gain:.2f}x)"
     return len(found), None
+
+
+def measured_speedup(pairs: list[tuple[nn.Linear, PackedLinear]]) -> float:
+    """Dense time over packed time for one layer of each shape (weighted by how many share it),
+    over a plain step's row and a verify block's."""
+    shapes: dict[tuple, list] = {}
+    for dense, packed in pairs:
+        key = (dense.in_features, dense.out_features, dense.bias is not None)
+        shapes.setdefault(key, [0, dense, packed])[0] += 1
+    cases = []
+    for count, dense, packed in shapes.values():
+        xs = [torch.randn(rows, dense.in_features, dtype=dense.weight.dtype) for rows in MEASURED_ROWS]
+        cases.append((count, lambda p=packed, xs=xs: [p(x) for x in xs], lambda d=dense, xs=xs: [d(x) for x in xs]))
+    return timing.speedup(cases)
+
+
+def _restore(done: list) -> None:
+    for parent, name, linear in done:
+        setattr(parent, name, linear)
 
 
 def _relative_error(linear: nn.Linear, packed: PackedLinear) -> float:

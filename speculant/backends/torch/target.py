@@ -112,7 +112,7 @@ class TorchTarget(TargetModel):
         """The CPU's ``auto``: eager forwards over linear weights reordered for oneDNN (packed.py)."""
         problem = pack_problem(self.model.device, self.backend.dtype)
         if problem is None:
-            count, problem = pack_linears(self.model)
+            count, problem = pack_linears(self.model, measure=True)
         if problem is not None:
             return f"eager: {problem} (backend.compile=auto on cpu)"
         self._head = self.model.get_output_embeddings()
