@@ -59,6 +59,7 @@ def test_auto_transposes_the_target_and_draft_and_changes_no_token(planted_pair)
     assert fast.stats.acceptance_lengths == slow.stats.acceptance_lengths
     assert min(fast.stats.acceptance_lengths) < 16 < max(fast.stats.acceptance_lengths) + 1
     assert fast_engine.without_drafter().run(**kwargs).token_ids == plain.token_ids
+    assert fast.stats.draft_fast_path == fast_engine.drafter.net.fast_path and plain.stats.draft_fast_path is None
 
 
 def test_not_transposed_in_bfloat16(planted_pair):

@@ -37,8 +37,9 @@ class BackendConfig(_Section):
     """Model dtype; `auto` is bfloat16 on CUDA (float16 without bf16), float16 on MPS, float32 on CPU."""
     compile: str = "auto"
     """Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
-    `auto` where the backend's benchmark shows they pay (PyTorch: compiled on CUDA; on a CPU, eager
-    over linear weights packed for oneDNN, float32), `on` wherever possible, `off` never."""
+    `auto` where the backend's benchmark shows they pay (PyTorch: compiled on CUDA; on a CPU, in
+    float32, eager over linear weights packed for oneDNN on PyTorch or stored transposed on MLX,
+    each kept only if timed faster at load), `on` wherever possible, `off` never."""
     draft_ahead: str = "auto"
     """Draft the next block before the host reads this cycle's verification, assuming the whole
     block is accepted (greedy, fixed-width verifiers; kept only when it was): `auto` on GPUs (Metal,

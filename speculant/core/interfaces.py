@@ -180,6 +180,11 @@ class Drafter(ABC):
         """Propose up to ``request.num_tokens`` tokens following ``request.anchor_id`` (None: nothing
         to propose, the cycle is a plain target step)."""
 
+    @property
+    def fast_path(self) -> str:
+        """What the draft's forwards run as (compiled, packed or transposed weights), or why eager."""
+        return "eager"
+
     def propose_free(self, request: DraftRequest) -> Draft | None:
         """A proposal that costs no forward (a copy out of the context), tried every cycle before the
         verifier is asked whether drafting pays; None (the default) when there is none."""

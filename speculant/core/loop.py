@@ -247,3 +247,4 @@ class Loop:
         s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
         s.verifier = self.e.verifier.decisions()
         s.fast_path = self.e.target.fast_path
+        s.draft_fast_path = None if self.e.drafter is None else self.e.drafter.fast_path

@@ -48,6 +48,7 @@ class GenerationStats:
     phases_timed: bool = False
     verifier: dict = field(default_factory=dict)
     fast_path: str = "eager"  # what ran compiled (widths, compile seconds), or why it stayed eager
+    draft_fast_path: str | None = None  # the same for the drafter's forwards (None: no drafter)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -30,6 +30,11 @@ class LookupProposer(Drafter):
             uses_target_lm_head=False)
         self._missed: tuple[int, int] | None = None  # (history length, k) of the last failed match
 
+    @property
+    def fast_path(self) -> str:
+        inner = "" if self.inner is None else f"; {self.inner.info.kind}: {self.inner.fast_path}"
+        return f"prompt lookup (no forward){inner}"
+
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         self.index.reset([*prompt_ids, first_token_id])
         self._missed = None

@@ -67,6 +67,10 @@ class DFlashDrafter(Drafter):
         self._final_feature = muse_glimmer.final_feature(self.cfg) if info.final_hidden == "post_norm" else None
 
     @property
+    def fast_path(self) -> str:
+        return getattr(self.net, "fast_path", "eager")
+
+    @property
     def model(self) -> Any:
         return self.net.model
 
