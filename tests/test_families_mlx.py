@@ -209,6 +209,23 @@ def test_family_greedy_equals_transformers(family, registry):
     assert "rejected at 0" in kinds(blocks)
 
 
+@pytest.mark.parametrize("family", FAMILIES, indirect=True)
+def test_family_with_transposed_weights_gives_the_same_tokens(family, registry, monkeypatch):
+    """The CPU's weight layout (backends/mlx/layout.py) on every family, taken as paying here
+    (whether it pays is timed at load): the same plain and speculative tokens as the layers as loaded."""
+    from speculant.backends.mlx import layout
+
+    monkeypatch.setattr(layout, "measured_speedup", lambda pairs: 2.0)
+    transposed = speculant.load_engine({**config(family["target"], kind="oracle", block_size=BLOCK),
+                                        "backend": {"kind": "mlx", "device": "cpu", "dtype": "float32",
+                                                    "compile": "auto"}}, registry)
+    assert transposed.target.transposed, transposed.target.fast_path
+    assert "stored transposed" in transposed.target.fast_path
+    assert first_difference(run(transposed.without_drafter(), family["prompts"]["long"]), family["refs"]["long"]) is None
+    diffs, seen = oracle_run(transposed, family)
+    assert diffs == {name: None for name in PROMPTS} and "partway" in seen
+
+
 @pytest.mark.parametrize("family", ["qwen3_5"], indirect=True)
 def test_keeping_the_blocks_recurrent_state_is_caught(family, registry, monkeypatch):
     """A rollback that restores the conv state but keeps the recurrent state after the whole block."""

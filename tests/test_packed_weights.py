@@ -77,7 +77,7 @@ def test_packing_measured_no_faster_keeps_the_dense_layers_and_says_so(planted_p
     assert "packed products were measured no faster than dense ones on this CPU (0.97x)" in eng.target.fast_path
     assert layers(eng.target.model, PackedLinear) == [] and not eng.target.packed
     assert eng.drafter.net.fast_path == "eager"
-    shapes = {(d.in_features, d.out_features) for d, _ in measured[0]}
+    shapes = {(d.in_features, d.out_features) for d in measured[0]}
     assert len(measured) == 1 and len(measured[0]) == len(layers(eng.target.model, nn.Linear)) and len(shapes) > 2
 
 

@@ -69,11 +69,19 @@ def test_not_transposed_in_bfloat16(planted_pair):
 
 
 def test_a_layer_that_disagrees_keeps_every_layer_as_loaded(planted_pair, monkeypatch):
-    monkeypatch.setattr(TransposedLinear, "__call__", lambda self, x: (x @ self.weight_t) * 1.01)
-    eng = engine(planted_pair["target"], "auto")
+    """A layer with more inputs than outputs (here the first k_proj, grouped-query attention)
+    disagrees after q_proj was transposed: that goes back to nn.Linear with the weights it was
+    loaded with, as does every other layer."""
+    call = TransposedLinear.__call__
+    monkeypatch.setattr(TransposedLinear, "__call__", lambda self, x: call(self, x) * (
+        1.01 if self.weight_t.shape[0] > self.weight_t.shape[1] else 1.0))
+    eng, off = engine(planted_pair["target"], "auto"), engine(planted_pair["target"], "off")
     assert "linear weights as loaded (" in eng.target.fast_path and "off the dense one" in eng.target.fast_path
+    assert "layers.0.module.self_attn.k_proj:" in eng.target.fast_path
     assert layers(eng.target.model, TransposedLinear) == [] and layers(eng.target.model, nn.Linear)
     assert not eng.target.transposed
+    for got, want in zip(layers(eng.target.model, nn.Linear), layers(off.target.model, nn.Linear)):
+        assert mx.array_equal(got.weight, want.weight).item() and got.weight.shape == want.weight.shape
 
 
 def test_transposing_measured_no_faster_keeps_the_layers_as_loaded(planted_pair, monkeypatch):

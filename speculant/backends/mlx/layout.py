@@ -45,6 +45,15 @@ class TransposedLinear(nn.Module):
             return mx.addmm(self.bias, x, self.weight_t)
         return x @ self.weight_t
 
+    def to_linear(self) -> nn.Linear:
+        """The ``nn.Linear`` this was made from (transposing back is exact)."""
+        out_dims, in_dims = self.weight.shape
+        linear = nn.Linear(in_dims, out_dims, bias="bias" in self)
+        linear.weight = mx.contiguous(self.weight_t.T)
+        if "bias" in self:
+            linear.bias = self.bias
+        return linear
+
 
 class TransposedTiedEmbedding(Wrapper):
     """An embedding whose ``as_linear`` (the tied output head) reads a transposed copy of the table."""
@@ -62,47 +71,43 @@ class TransposedTiedEmbedding(Wrapper):
 
 def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | None]:
     """Swap every float32 ``nn.Linear`` of ``model`` for a checked :class:`TransposedLinear`, and,
-    with ``measure``, only if the transposed products are measured faster here (core/timing.py):
+    with ``measure``, only if transposed products are first measured faster here (core/timing.py):
     (layers swapped, None), or (0, why not) with the model left as it was."""
     found = [(parent, key, child, path) for parent, key, child, path in _children(model)
              if type(child) is nn.Linear and child.weight.dtype == mx.float32]
     if not found:
         return 0, "no float32 nn.Linear layers to transpose"
-    done = []
+    gain = measured_speedup([linear for *_, linear, _ in found]) if measure else None
+    if gain is not None and not gain >= timing.MARGIN:
+        return 0, f"transposed products were measured no faster than the layout as loaded on this CPU ({gain:.2f}x)"
+    done = []  # the original layers are released as they go: a failure transposes back
     for parent, key, linear, path in found:
         swapped = TransposedLinear(linear)
         error = _relative_error(linear, swapped)
         if not error <= CHECK_TOLERANCE:  # also catches NaN
-            _restore(done)
+            for owner, done_key, layer in done:
+                _set(owner, done_key, layer.to_linear())
             return 0, f"{path}: the transposed product is {error:.2g} off the dense one (relative)"
         _set(parent, key, swapped)
-        done.append((parent, key, linear, swapped))
-    gain = measured_speedup([(linear, swapped) for *_, linear, swapped in done]) if measure else None
-    if gain is not None and not gain >= timing.MARGIN:
-        _restore(done)
-        return 0, f"transposed products were measured no faster than the layout as loaded on this CPU ({gain:.2f}x)"
+        done.append((parent, key, swapped))
     return len(found), None
 
 
-def measured_speedup(pairs: list[tuple[nn.Linear, TransposedLinear]]) -> float:
+def measured_speedup(linears: list[nn.Linear]) -> float:
     """Time as loaded over time transposed, for one layer of each shape (weighted by how many
     share it), over a plain step's row and a verify block's."""
     shapes: dict[tuple, list] = {}
-    for dense, swapped in pairs:
-        key = (*dense.weight.shape, "bias" in dense)
-        shapes.setdefault(key, [0, dense, swapped])[0] += 1
+    for linear in linears:
+        key = (*linear.weight.shape, "bias" in linear)
+        shapes.setdefault(key, [0, linear])[0] += 1
     cases = []
-    for count, dense, swapped in shapes.values():
+    for count, dense in shapes.values():
+        swapped = TransposedLinear(dense)
         xs = [mx.random.normal((rows, dense.weight.shape[1]), key=mx.random.key(rows)) for rows in MEASURED_ROWS]
-        mx.eval(xs)
+        mx.eval(xs, swapped.weight_t)
         cases.append((count, lambda t=swapped, xs=xs: mx.eval([t(x) for x in xs]),
                       lambda d=dense, xs=xs: mx.eval([d(x) for x in xs])))
     return timing.speedup(cases)
-
-
-def _restore(done: list) -> None:
-    for owner, key, original, _ in done:
-        _set(owner, key, original)
 
 
 def transpose_tied_head(inner: nn.Module) -> bool:

@@ -76,13 +76,16 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def pack_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | None]:
     """Swap every ``nn.Linear`` of ``model`` (exactly that class: quantized layers stay) for a
     :class:`PackedLinear`, each checked against its dense product on a few rows, and, with
-    ``measure``, only if the packed products are measured faster here (core/timing.py):
+    ``measure``, only if packed products are first measured faster here (core/timing.py):
     (layers packed, None), or (0, why not) with the model left as it was."""
     found = _linears(model)
     if not found:
         return 0, "no nn.Linear layers to pack"
     done = []
     try:
+        gain = measured_speedup([linear for *_, linear in found]) if measure else None
+        if gain is not None and not gain >= timing.MARGIN:
+            return 0, f"packed products were measured no faster than dense ones on this CPU ({gain:.2f}x)"
         for parent, name, linear in found:
             packed = PackedLinear(linear)
             error = _relative_error(linear, packed)
@@ -90,25 +93,22 @@ def pack_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | No
                 raise ValueError(f"{name}: packed product {error:.2g} off the dense one (relative)")
             setattr(parent, name, packed)
             done.append((parent, name, linear))
-        gain = measured_speedup([(linear, getattr(parent, name)) for parent, name, linear in done]) if measure else None
     except Exception as exc:  # noqa: BLE001 -- an op oneDNN refuses here: the dense layers are exact
         _restore(done)
         return 0, f"packing the linear weights failed ({type(exc).__name__}: {str(exc)[:200]})"
-    if gain is not None and not gain >= timing.MARGIN:
-        _restore(done)
-        return 0, f"packed products were measured no faster than dense ones on this CPU ({gain:.2f}x)"
     return len(found), None
 
 
-def measured_speedup(pairs: list[tuple[nn.Linear, PackedLinear]]) -> float:
+def measured_speedup(linears: list[nn.Linear]) -> float:
     """Dense time over packed time for one layer of each shape (weighted by how many share it),
     over a plain step's row and a verify block's."""
     shapes: dict[tuple, list] = {}
-    for dense, packed in pairs:
-        key = (dense.in_features, dense.out_features, dense.bias is not None)
-        shapes.setdefault(key, [0, dense, packed])[0] += 1
+    for linear in linears:
+        key = (linear.in_features, linear.out_features, linear.bias is not None)
+        shapes.setdefault(key, [0, linear])[0] += 1
     cases = []
-    for count, dense, packed in shapes.values():
+    for count, dense in shapes.values():
+        packed = PackedLinear(dense)
         xs = [torch.randn(rows, dense.in_features, dtype=dense.weight.dtype) for rows in MEASURED_ROWS]
         cases.append((count, lambda p=packed, xs=xs: [p(x) for x in xs], lambda d=dense, xs=xs: [d(x) for x in xs]))
     return timing.speedup(cases)
