@@ -41,6 +41,7 @@ def engine(tmp_path_factory, torch_threads):
     config_file.write_text(json.dumps(config))
     config = embedded.engine_config(backend="torch")
     config["target"]["path"] = str(target)
+    config["backend"]["dtype"] = "float32"  # bfloat16 near-ties may flip with the verify width (test_serve_load.py)
     return load_engine(config)
 
 
@@ -251,6 +252,34 @@ def test_waiting_past_the_timeout_is_a_503(engine):
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "timeout"
 
 
+def test_a_client_that_leaves_the_queue_is_dropped_before_it_runs(engine):
+    """A queued client that gives up leaves the queue within a poll or two, is counted as 499, and
+    never reaches the engine: only the request that held the turn generates."""
+    app = create_app(engine, max_queue=4, timeout=TIMEOUT)
+    worker = app.state.server.worker
+    with serving(app) as url:
+        release = block_worker(app)
+        first = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                 kwargs={"json": GOOD, "timeout": TIMEOUT})
+        first.start()
+        deadline = time.monotonic() + 10
+        while not worker._turn.locked():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(httpx.TimeoutException):  # the client gives up while queued
+            httpx.post(url + "/v1/completions", json=GOOD, timeout=0.5)
+        while worker.waiting:  # the worker thread is still blocked: only the poll can notice
+            assert time.monotonic() < deadline, "the queued client's disconnect was not noticed"
+            time.sleep(0.02)
+        release.set()
+        first.join(TIMEOUT)
+        wait_idle(engine)
+        text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    assert 'speculant_requests_total{endpoint="completions",status="499"} 1.0' in text
+    assert 'speculant_requests_total{endpoint="completions",status="200"} 1.0' in text
+    assert f"speculant_generated_tokens_total {float(GOOD['max_tokens'])}" in text  # the first request's only
+
+
 def test_disconnect_mid_stream_cancels_generation_and_the_next_request_runs(engine, server, client):
     body = {"model": "speculant", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=TIMEOUT) as reply:
@@ -263,6 +292,7 @@ def test_disconnect_mid_stream_cancels_generation_and_the_next_request_runs(engi
     stats = engine.last_stats
     assert stats.stop_reason == "interrupted" and stats.new_tokens < 1500
     assert time.monotonic() - t < 5
+    assert 'speculant_requests_total{endpoint="completions",status="499"}' in httpx.get(server + "/metrics").text
     expected = offline(engine, PROMPTS[1], max_new_tokens=8, temperature=0).text
     assert client.completions.create(model="speculant", prompt=PROMPTS[1], max_tokens=8,
                                      temperature=0).choices[0].text == expected
@@ -295,6 +325,8 @@ def test_non_finite_logits_end_the_request_with_an_error_event(tmp_path, tiny_ta
         assert error["code"] == "NonFiniteLogitsError" and "generation failed" in error["message"]
         whole = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=TIMEOUT)
         assert whole.status_code == 500 and whole.json()["error"]["code"] == "NonFiniteLogitsError"
+        metrics = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+        assert 'speculant_requests_total{endpoint="completions",status="500"} 2.0' in metrics
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
 
 
@@ -306,7 +338,11 @@ def test_generation_past_the_timeout_ends_with_an_error(engine):
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as reply:
             events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+        text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
     assert engine.last_stats.new_tokens < 1500
+    # the stream's 200 header went out before the timeout: its outcome is counted when it ends
+    assert 'speculant_requests_total{endpoint="completions",status="504"} 2.0' in text
+    assert 'status="200"' not in text
 
 
 # -- the command ----------------------------------------------------------------------------------

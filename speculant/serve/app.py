@@ -21,6 +21,7 @@ from speculant.serve.schemas import ApiError, ChatRequest, CompletionRequest, pa
 from speculant.serve.worker import Done, Failed, Job, Worker
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
+CLIENT_LEFT = 499  # the status counted for a client that closed its connection (nginx's convention)
 
 
 def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | None = None, max_queue: int = 64,
@@ -110,7 +111,8 @@ class _Server:
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             raise
-        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if not isinstance(response, StreamingResponse):  # a stream counts its outcome when it ends
+            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
     async def _complete(self, request: Request, chat: bool) -> Response:
@@ -123,7 +125,7 @@ class _Server:
             raise ApiError(400, "logprobs are not supported by speculant serve", param="logprobs",
                            code="unsupported_parameter")
         ids = self._prompt_ids(req, chat)
-        job = await self.worker.submit(ids, req.new_tokens(), req.sampling())
+        job = await self.worker.submit(ids, req.new_tokens(), req.sampling(), gone=request.is_disconnected)
         try:
             first = await job.events.get()
             if isinstance(first, Failed):
@@ -133,8 +135,8 @@ class _Server:
             raise
         shape = Shape(chat, self.model_name, bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
-            return StreamingResponse(self._stream(job, shape), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(self._stream(job, shape, "chat" if chat else "completions"),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._whole(request, job, shape)
 
     async def _read_json(self, request: Request) -> Any:
@@ -185,11 +187,13 @@ class _Server:
 
     async def _whole(self, request: Request, job: Job, shape: Shape) -> Response:
         parts: list[str] = []
+        left = False
         try:
             async for event in job.stream():
                 if isinstance(event, Chunk):
                     parts.append(event.text)
-                    if await request.is_disconnected():
+                    if not left and await request.is_disconnected():
+                        left = True
                         job.cancel.set()
                 elif isinstance(event, Failed):
                     self.metrics.record(event.stats, self.engine.speculative)
@@ -198,6 +202,8 @@ class _Server:
                     if event.timed_out:
                         continue
                     finish, use, extra = self._finish(event)
+                    if left:
+                        raise _client_left("during generation")
                     return JSONResponse(shape.full("".join(parts), finish, use, extra))
         finally:
             job.cancel.set()
@@ -207,7 +213,10 @@ class _Server:
         return ApiError(504, f"the request ran past the {self.worker.timeout:g} s timeout", "server_error",
                         code="timeout")
 
-    async def _stream(self, job: Job, shape: Shape) -> AsyncIterator[bytes]:
+    async def _stream(self, job: Job, shape: Shape, endpoint: str) -> AsyncIterator[bytes]:
+        """The events as server-sent events; the request's outcome is counted once it is known
+        (the 200 header went out before the first chunk): 200, the error's status, or 499."""
+        status = CLIENT_LEFT
         try:
             if shape.chat:
                 yield sse(shape.chunk("", first=True))
@@ -217,11 +226,15 @@ class _Server:
                         yield sse(shape.chunk(event.text))
                 elif isinstance(event, Failed):
                     self.metrics.record(event.stats, self.engine.speculative)
-                    yield sse(_as_api_error(event.error).body())
+                    error = _as_api_error(event.error)
+                    status = error.status
+                    yield sse(error.body())
                 elif isinstance(event, Done):
                     if event.timed_out:
+                        status = 504
                         yield sse(self._timeout().body())
                         break
+                    status = 200
                     finish, use, extra = self._finish(event)
                     yield sse(shape.last(finish, extra))
                     if shape.include_usage:
@@ -229,6 +242,11 @@ class _Server:
             yield sse("[DONE]")
         finally:
             job.cancel.set()  # a client that went away: the worker stops after this cycle
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def _client_left(when: str) -> ApiError:
+    return ApiError(CLIENT_LEFT, f"the client closed the connection {when}", code="client_closed")
 
 
 def _too_large(limit: int) -> ApiError:

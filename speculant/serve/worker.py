@@ -14,11 +14,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from speculant.core.metrics import GenerationStats
 from speculant.core.types import Chunk
 from speculant.serve.schemas import ApiError
+
+
+POLL_S = 0.25  # how often a waiting request asks whether its client is still there
 
 
 @dataclass
@@ -78,8 +81,10 @@ class Worker:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="speculant-engine")
         self._on_queue = on_queue or (lambda depth: None)
 
-    async def submit(self, prompt_ids: list[int], max_new_tokens: int | None, overrides: dict[str, Any]) -> Job:
-        """Wait for the engine (FIFO), start the job in the worker thread and return it."""
+    async def submit(self, prompt_ids: list[int], max_new_tokens: int | None, overrides: dict[str, Any],
+                     gone: Callable[[], Awaitable[bool]] | None = None) -> Job:
+        """Wait for the engine (FIFO), start the job in the worker thread and return it. While it
+        waits, ``gone`` is asked every ``POLL_S`` whether the client left; if so, it leaves the queue."""
         if self.waiting >= self.max_queue:
             raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting (--max-queue "
                            f"{self.max_queue}); retry later", "rate_limit_error", code="queue_full")
@@ -87,10 +92,7 @@ class Worker:
         job.loop = asyncio.get_running_loop()
         self._queued(+1)
         try:
-            await asyncio.wait_for(self._turn.acquire(), self.timeout)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise ApiError(503, f"the request waited longer than the {self.timeout:g} s timeout for the engine",
-                           "server_error", code="timeout") from None
+            await self._wait_turn(job.deadline, gone)
         finally:
             self._queued(-1)
         try:
@@ -99,6 +101,25 @@ class Worker:
             self._turn.release()
             raise
         return job
+
+    async def _wait_turn(self, deadline: float, gone: Callable[[], Awaitable[bool]] | None) -> None:
+        turn = asyncio.ensure_future(self._turn.acquire())
+        try:
+            while not turn.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ApiError(503, f"the request waited longer than the {self.timeout:g} s timeout for the "
+                                   "engine", "server_error", code="timeout")
+                await asyncio.wait({turn}, timeout=min(left, POLL_S))
+                if not turn.done() and gone is not None and await gone():
+                    raise ApiError(499, "the client closed the connection while waiting for the engine",
+                                   code="client_closed")
+        except BaseException:
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self._turn.release()  # acquired just as the wait ended: pass the turn on
+            else:
+                turn.cancel()
+            raise
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
