@@ -2,7 +2,8 @@
 
 The CPU fast paths that only change how weights are laid out (packed for oneDNN on PyTorch,
 stored transposed on MLX) pay on some CPUs and lose on others: packing took 25 % off a verify
-block on a 2-core AMD EPYC and added 10 % on an Intel Xeon with AVX-512 (docs/fast-path.md).
+block on a 2-core AMD EPYC, and ran at 0.74-0.94 of dense speed on an Intel Xeon with AVX-512
+(docs/fast-path.md).
 So ``backend.compile: auto`` times both layouts on the model's own layer shapes, interleaved,
 and keeps the new one only where it is faster by ``MARGIN``.
 """

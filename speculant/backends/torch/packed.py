@@ -15,7 +15,7 @@ product and keeps the dense layers if one disagrees beyond that, or if packing f
 
 Whether it pays depends on the CPU: on a 2-core AMD EPYC a packed verify block of 8 cost 1.3
 one-row forwards against 1.7 dense, while on an Intel Xeon with AVX-512, where MKL's small GEMMs
-are already flat in the rows, packed products were 10 % slower. So the target's ``auto`` times
+are already flat in the rows, packed products ran at 0.74-0.94 of dense ones' speed. So ``auto`` times
 both on its own layer shapes at load (:func:`measured_speedup`, core/timing.py) and keeps the
 dense layers unless packing is faster. The drafter's layers are packed too
 (``Backend.prepare_draft``) when the target's are.
