@@ -265,7 +265,8 @@ def test_compiled_dflash2_draft_proposes_the_eager_drafts_tokens(tmp_path_factor
         return {**config(target, compile=compile), "drafter": {"kind": "dflash2", "path": str(draft), "block_size": BLOCK}}
 
     fast, slow = speculant.load_engine(dflash2("on")), speculant.load_engine(dflash2("off"))
-    assert fast.drafter.net.fast_path.startswith("compiled draft: context buckets 1, 2, 4; block 4")
+    assert fast.drafter.net.fast_path.startswith("compiled draft: context buckets 1, 2, 4; block 4; ring of 16 rows")
+    # every layer slides: a ring of reach 7 + two padded blocks of 4 rows; each request wraps it
     plain = speculant.load_engine(config(target, compile="off"))
     ids = PROMPTS["other"]
     result, expected = (e.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True) for e in (fast, slow))
@@ -274,7 +275,7 @@ def test_compiled_dflash2_draft_proposes_the_eager_drafts_tokens(tmp_path_factor
     assert result.token_ids == expected.token_ids == plain.run(prompt_ids=ids, max_new_tokens=NEW,
                                                                ignore_eos=True).token_ids
     assert_same_draft_hidden(fast.drafter.net, slow.drafter.net)
-    assert fast.drafter.net.compiled.recompiles == 0
+    assert fast.drafter.net.compiled.recompiles == 0 and fast.drafter.net.compiled.rows == 16
 
 
 @pytest.mark.slow

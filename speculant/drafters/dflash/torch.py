@@ -274,7 +274,8 @@ class TorchDFlashNetwork:
         self.cache = ContextCache(self.windows, allocate)
         if committed and compiled.keys:
             for i in range(len(self.model.layers)):
-                self.cache.append(i, compiled.keys[i][:, :committed], compiled.values[i][:, :committed], 0)
+                first, keys, values = compiled.context_rows(i, committed)
+                self.cache.append(i, keys, values, first)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.is_muse_glimmer:
