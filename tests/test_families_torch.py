@@ -159,6 +159,30 @@ def test_greedy_speculation_equals_transformers(family, reference, name):
     assert deep > 0  # rolled back after the sliding window had filled
 
 
+SLIDING = ["gemma3_text", "mistral", "gpt_oss", "muse_glimmer"]  # sliding-window layers, no recurrent ones
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLIDING)
+def test_sliding_families_run_compiled_and_equal_transformers(family, reference, name):
+    """``backend.compile: on`` for targets with sliding-window layers: the static cache keeps every
+    row (laid out as full attention), and the model masks each sliding layer itself. Greedy
+    speculation with rejections at every position, rolled back after the window has filled,
+    gives transformers' tokens, and no graph is compiled twice."""
+    path, expected = family(name), reference(name)
+    engine = planted_engine(path, [(PROMPTS[k], expected[k]) for k in PROMPTS],
+                            backend={**BACKEND, "compile": "on"})
+    assert engine.target.fast_path.startswith("compiled: widths"), engine.target.fast_path
+    seen, deep = set(), 0
+    for key, ids in PROMPTS.items():
+        result, cycles = run_recorded(engine, ids)
+        assert result.token_ids == expected[key], f"{name}, {key} prompt"
+        seen |= kinds(cycles)
+        deep += sum(1 for width, length, removed in cycles if removed and length - width >= WINDOW)
+    assert seen == {"position 0", "partway", "whole"} and deep > 0
+    assert engine.target._steps.recompiles == 0 and engine.target._on_static
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_random_dflash_draft_is_lossless(family, reference, tmp_path, name):
     """A random DFlash draft: almost every block rejected at position 0, on the DFlash path

@@ -33,9 +33,13 @@ On CUDA the graphs are captured as CUDA graphs (``mode="reduce-overhead"``): the
 keeps every address fixed, and outputs are cloned because a replay reuses their memory. This is
 untested here (no GPU was available when it was written).
 
-Not compiled (the target stays on the eager RollbackCache path, and ``fast_path`` says why):
-sliding-window and Gated DeltaNet layers, whose rollback needs past recording / per-position
-recurrent states (``rollback.py``), and any target whose compilation fails.
+Sliding-window layers are compiled over a static cache laid out as full attention
+(:func:`full_attention_cache_config`): every row is kept at its position, so a rollback still only
+moves the write position, and the model masks each sliding layer over those positions itself. A
+long request attends over more rows than the window, masked; on a GPU that is cheap next to the
+launches saved. Not compiled (the target stays on the eager RollbackCache path, and ``fast_path``
+says why): Gated DeltaNet layers, whose rollback needs per-position recurrent states
+(``rollback.py``), and any target whose compilation fails.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import torch
 # "on" is the choice for long-lived engines. "auto" compiles where launches dominate a small
 # model's forward and CUDA graphs remove them: CUDA (not measured here; no GPU was available).
 AUTO_DEVICES = ("cuda",)
-COMPILED_LAYER_KINDS = ("full_attention",)
+COMPILED_LAYER_KINDS = ("full_attention", "sliding_attention")
 # Rows preallocated per layer: at most the target's context window and MAX_STATIC_ROWS (a request
 # that grows past that finishes on the eager path). Every step attends over all rows, masked, which
 # on a CPU costs more than the compiled graph saves once the rows far outnumber the used ones: a
@@ -77,7 +81,7 @@ def compile_problem(model: torch.nn.Module, layer_types) -> str | None:
     from transformers import StaticCache
 
     try:
-        StaticCache(config=model.config, max_cache_len=8)
+        StaticCache(config=full_attention_cache_config(model.config), max_cache_len=8)
     except Exception as exc:  # a config transformers builds no static cache for
         return f"transformers builds no static cache for {type(model).__name__}: {exc}"
     return None
@@ -94,13 +98,29 @@ def static_rows(config, device: torch.device) -> tuple[int, int]:
     return (min(CPU_STATIC_ROWS, largest) if device.type == "cpu" else largest), largest
 
 
+def full_attention_cache_config(config):
+    """``config``'s text config with every layer a full-attention one, for the static cache only.
+
+    transformers gives a sliding layer a static ring of ``window`` rows, which a rollback cannot
+    move back over. Kept whole instead, row == position like a full layer's, it rolls back by
+    moving the write position; the model still builds each sliding layer's mask from its own
+    config, over those absolute positions, so every layer sees what it would eagerly."""
+    import copy
+
+    text = copy.copy(config.get_text_config(decoder=True))
+    if getattr(text, "layer_types", None):
+        text.layer_types = ["full_attention"] * len(text.layer_types)
+    text.sliding_window = None
+    return text
+
+
 class StaticKV:
     """transformers' StaticCache with a host-side length and a rollback that only moves the write position."""
 
     def __init__(self, config, rows: int) -> None:
         from transformers import StaticCache
 
-        self.cache = StaticCache(config=config, max_cache_len=rows)
+        self.cache = StaticCache(config=full_attention_cache_config(config), max_cache_len=rows)
         self.rows = rows
         self.length = 0
 
