@@ -74,8 +74,7 @@ def compile_problem(model: torch.nn.Module, layer_types) -> str | None:
     """Why ``model``'s forwards cannot run compiled over a static cache, or None."""
     kinds = sorted(set(layer_types or ("full_attention",)) - set(COMPILED_LAYER_KINDS))
     if kinds:
-        names = {"linear_attention": "linear_attention layers (Gated DeltaNet)",
-                 "sliding_attention": "sliding_attention layers"}
+        names = {"linear_attention": "linear_attention layers (Gated DeltaNet)"}
         what = ", ".join(names.get(kind, f"{kind} layers") for kind in kinds)
         return f"{what} are not compiled: their rollback needs the eager RollbackCache"
     from transformers import StaticCache
