@@ -204,7 +204,7 @@ class TorchDFlashNetwork:
         self.cache = ContextCache(self.windows, allocate)
         self._dtype = next(model.parameters()).dtype
         self.compiled = None  # a CompiledDraft (dflash/compiled.py) once compile_step succeeds
-        self.fast_path = "eager"
+        self._eager_path = "eager"  # what runs when nothing is compiled, or why not
 
     def compile_step(self, block: int) -> None:
         """Run the draft step compiled (one graph per context bucket, see compiled.py), compiling
@@ -217,8 +217,15 @@ class TorchDFlashNetwork:
         except Exception as exc:  # noqa: BLE001 -- dynamo / inductor refused the step: eager is exact
             self.compiled = None
             self.fast_path = f"eager: compiling the draft failed ({type(exc).__name__}: {str(exc)[:200]})"
-        else:
-            self.fast_path = self.compiled.describe()
+
+    @property
+    def fast_path(self) -> str:
+        """The compiled draft as it is now (its buckets, rows and compile time grow), or why eager."""
+        return self.compiled.describe() if self.compiled is not None else self._eager_path
+
+    @fast_path.setter
+    def fast_path(self, value: str) -> None:
+        self._eager_path = value
 
     def warm_up(self) -> None:
         """Compile the compiled step's graph of every context bucket (1, 2, 4 .. the padded block)
