@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -35,22 +35,15 @@ class BackendConfig(_Section):
     """`auto` (CUDA, then MPS, then CPU), `cpu`, `cuda`, `cuda:N`, `mps`, or `gpu` (MLX)."""
     dtype: str = "auto"
     """Model dtype; `auto` is bfloat16 on CUDA (float16 without bf16), float16 on MPS, float32 on CPU."""
-    compile: str = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
     """Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
     `auto` where the backend's benchmark shows they pay (PyTorch: compiled on CUDA; on a CPU, in
     float32, eager over linear weights packed for oneDNN on PyTorch or stored transposed on MLX,
     each kept only if timed faster at load), `on` wherever possible, `off` never."""
-    draft_ahead: str = "auto"
+    draft_ahead: Literal["auto", "on", "off"] = "auto"
     """Draft the next block before the host reads this cycle's verification, assuming the whole
     block is accepted (greedy, fixed-width verifiers; kept only when it was): `auto` on GPUs (Metal,
     CUDA, MPS), where the host's work can overlap the device's; `on`; `off`."""
-
-    @field_validator("compile", "draft_ahead")
-    @classmethod
-    def _compile_choice(cls, value: str) -> str:
-        if value not in ("auto", "on", "off"):
-            raise ValueError(f"must be 'auto', 'on' or 'off', got {value!r}")
-        return value
 
 
 class TargetConfig(_Section):
