@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 MARGIN = 1.05  # the new layout must be this much faster than the old one to be kept
 REPEATS = 7
@@ -24,7 +24,8 @@ def speedup(cases: Sequence[tuple[int, Callable[[], None], Callable[[], None]]],
     Each callable must return only once its work is done."""
     new_total = old_total = 0.0
     for weight, new, old in cases:
-        new(), old()  # first calls allocate and warm caches
+        new()  # first calls allocate and warm caches
+        old()
         new_times, old_times = [], []
         for _ in range(repeats):
             old_times.append(_seconds(old))
@@ -38,3 +39,13 @@ def _seconds(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def speedup_by_shape(layers: Sequence[Any], shape: Callable[[Any], Hashable],
+                     case: Callable[[Any], tuple[Callable[[], None], Callable[[], None]]]) -> float:
+    """:func:`speedup` over one layer of each ``shape(layer)``, weighted by how many layers share it;
+    ``case(layer)`` gives that layer's (new layout, old layout) callables."""
+    groups: dict[Hashable, list] = {}
+    for layer in layers:
+        groups.setdefault(shape(layer), [0, layer])[0] += 1
+    return speedup([(count, *case(layer)) for count, layer in groups.values()])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core import timing
@@ -73,41 +74,37 @@ def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str
     """Swap every float32 ``nn.Linear`` of ``model`` for a checked :class:`TransposedLinear`, and,
     with ``measure``, only if transposed products are first measured faster here (core/timing.py):
     (layers swapped, None), or (0, why not) with the model left as it was."""
-    found = [(parent, key, child, path) for parent, key, child, path in _children(model)
-             if type(child) is nn.Linear and child.weight.dtype == mx.float32]
+    found = {path: layer for path, layer in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+             if type(layer) is nn.Linear and layer.weight.dtype == mx.float32}
     if not found:
         return 0, "no float32 nn.Linear layers to transpose"
-    gain = measured_speedup([linear for *_, linear, _ in found]) if measure else None
+    gain = measured_speedup(list(found.values())) if measure else None
     if gain is not None and not gain >= timing.MARGIN:
         return 0, f"transposed products were measured no faster than the layout as loaded on this CPU ({gain:.2f}x)"
-    done = []  # the original layers are released as they go: a failure transposes back
-    for parent, key, linear, path in found:
+    count, done = len(found), []
+    for path in list(found):
+        linear = found.pop(path)  # the original goes once it is swapped out: a failure transposes back
         swapped = TransposedLinear(linear)
         error = _relative_error(linear, swapped)
         if not error <= CHECK_TOLERANCE:  # also catches NaN
-            for owner, done_key, layer in done:
-                _set(owner, done_key, layer.to_linear())
+            model.update_modules(tree_unflatten([(p, layer.to_linear()) for p, layer in done]))
             return 0, f"{path}: the transposed product is {error:.2g} off the dense one (relative)"
-        _set(parent, key, swapped)
-        done.append((parent, key, swapped))
-    return len(found), None
+        model.update_modules(tree_unflatten([(path, swapped)]))
+        done.append((path, swapped))
+    return count, None
 
 
 def measured_speedup(linears: list[nn.Linear]) -> float:
     """Time as loaded over time transposed, for one layer of each shape (weighted by how many
     share it), over a plain step's row and a verify block's."""
-    shapes: dict[tuple, list] = {}
-    for linear in linears:
-        key = (*linear.weight.shape, "bias" in linear)
-        shapes.setdefault(key, [0, linear])[0] += 1
-    cases = []
-    for count, dense in shapes.values():
-        swapped = TransposedLinear(dense)
-        xs = [mx.random.normal((rows, dense.weight.shape[1]), key=mx.random.key(rows)) for rows in MEASURED_ROWS]
-        mx.eval(xs, swapped.weight_t)
-        cases.append((count, lambda t=swapped, xs=xs: mx.eval([t(x) for x in xs]),
-                      lambda d=dense, xs=xs: mx.eval([d(x) for x in xs])))
-    return timing.speedup(cases)
+    return timing.speedup_by_shape(linears, lambda d: (*d.weight.shape, "bias" in d), _timed_pair)
+
+
+def _timed_pair(dense: nn.Linear):
+    swapped = TransposedLinear(dense)
+    xs = [mx.random.normal((rows, dense.weight.shape[1]), key=mx.random.key(rows)) for rows in MEASURED_ROWS]
+    mx.eval(xs, swapped.weight_t)
+    return (lambda: mx.eval([swapped(x) for x in xs])), (lambda: mx.eval([dense(x) for x in xs]))
 
 
 def transpose_tied_head(inner: nn.Module) -> bool:
@@ -123,29 +120,8 @@ def transpose_tied_head(inner: nn.Module) -> bool:
     return True
 
 
-def _children(module: nn.Module, prefix: str = ""):
-    """(owner, key, child, dotted path) for every module under ``module``; list owners get int keys."""
-    items = module.items() if isinstance(module, dict) else enumerate(module)
-    for key, value in items:
-        path = f"{prefix}{key}"
-        if isinstance(value, nn.Module):
-            yield module, key, value, path
-            yield from _children(value, path + ".")
-        elif isinstance(value, (list, dict)):
-            yield from _children(value, path + ".")
-
-
-def _set(owner, key, value) -> None:
-    if isinstance(owner, nn.Module):
-        setattr(owner, key, value)
-    else:
-        owner[key] = value
-
-
 def _relative_error(linear: nn.Linear, swapped: TransposedLinear) -> float:
     x = mx.random.normal((3, linear.weight.shape[1]), key=mx.random.key(0)).astype(linear.weight.dtype)
     dense = linear(x)
     scale = mx.abs(dense).max().item() or 1.0
-    error = mx.abs(swapped(x) - dense).max().item() / scale
-    mx.eval(swapped.weight_t)
-    return error
+    return mx.abs(swapped(x) - dense).max().item() / scale  # evaluates the transposed weight too

@@ -102,16 +102,13 @@ def pack_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | No
 def measured_speedup(linears: list[nn.Linear]) -> float:
     """Dense time over packed time for one layer of each shape (weighted by how many share it),
     over a plain step's row and a verify block's."""
-    shapes: dict[tuple, list] = {}
-    for linear in linears:
-        key = (linear.in_features, linear.out_features, linear.bias is not None)
-        shapes.setdefault(key, [0, linear])[0] += 1
-    cases = []
-    for count, dense in shapes.values():
-        packed = PackedLinear(dense)
-        xs = [torch.randn(rows, dense.in_features, dtype=dense.weight.dtype) for rows in MEASURED_ROWS]
-        cases.append((count, lambda p=packed, xs=xs: [p(x) for x in xs], lambda d=dense, xs=xs: [d(x) for x in xs]))
-    return timing.speedup(cases)
+    return timing.speedup_by_shape(linears, lambda d: (d.in_features, d.out_features, d.bias is not None), _timed_pair)
+
+
+def _timed_pair(dense: nn.Linear):
+    packed = PackedLinear(dense)
+    xs = [torch.randn(rows, dense.in_features, dtype=dense.weight.dtype) for rows in MEASURED_ROWS]
+    return (lambda: [packed(x) for x in xs]), (lambda: [dense(x) for x in xs])
 
 
 def _restore(done: list) -> None:
