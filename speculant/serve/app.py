@@ -17,11 +17,10 @@ from speculant.core.errors import ContextTooLongError, EngineBusyError, Generati
 from speculant.core.types import Chunk
 from speculant.serve.metrics import CONTENT_TYPE, ServerMetrics, speculative_stats
 from speculant.serve.responses import Shape, finish_reason, sse, usage
-from speculant.serve.schemas import ApiError, ChatRequest, CompletionRequest, parse
+from speculant.serve.schemas import CLIENT_LEFT, ApiError, ChatRequest, CompletionRequest, client_left, parse
 from speculant.serve.worker import Done, Failed, Job, Worker
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
-CLIENT_LEFT = 499  # the status counted for a client that closed its connection (nginx's convention)
 
 
 def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | None = None, max_queue: int = 64,
@@ -203,7 +202,7 @@ class _Server:
                         continue
                     finish, use, extra = self._finish(event)
                     if left:
-                        raise _client_left("during generation")
+                        raise client_left("during generation")
                     return JSONResponse(shape.full("".join(parts), finish, use, extra))
         finally:
             job.cancel.set()
@@ -243,10 +242,6 @@ class _Server:
         finally:
             job.cancel.set()  # a client that went away: the worker stops after this cycle
             self.metrics.requests.labels(endpoint, str(status)).inc()
-
-
-def _client_left(when: str) -> ApiError:
-    return ApiError(CLIENT_LEFT, f"the client closed the connection {when}", code="client_closed")
 
 
 def _too_large(limit: int) -> ApiError:

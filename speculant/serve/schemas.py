@@ -23,6 +23,13 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+CLIENT_LEFT = 499  # the status counted for a client that closed its connection (nginx's convention)
+
+
+def client_left(when: str) -> ApiError:
+    return ApiError(CLIENT_LEFT, f"the client closed the connection {when}", code="client_closed")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False

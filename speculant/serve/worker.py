@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from speculant.core.metrics import GenerationStats
 from speculant.core.types import Chunk
-from speculant.serve.schemas import ApiError
+from speculant.serve.schemas import ApiError, client_left
 
 
 POLL_S = 0.25  # how often a waiting request asks whether its client is still there
@@ -112,8 +112,7 @@ class Worker:
                                    "engine", "server_error", code="timeout")
                 await asyncio.wait({turn}, timeout=min(left, POLL_S))
                 if not turn.done() and gone is not None and await gone():
-                    raise ApiError(499, "the client closed the connection while waiting for the engine",
-                                   code="client_closed")
+                    raise client_left("while waiting for the engine")
         except BaseException:
             if turn.done() and not turn.cancelled() and turn.exception() is None:
                 self._turn.release()  # acquired just as the wait ended: pass the turn on
