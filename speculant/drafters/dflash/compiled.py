@@ -98,12 +98,13 @@ class CompiledDraft:
         are allocated once."""
         if rows <= self.rows or (self.ring is not None and self.rows):
             return
-        size = max(FIRST_ROWS, self.rows)
-        while size < rows:
-            size *= 2
         if self.ring is not None:
             size = self.ring
             self.key_positions = torch.full((size,), -(1 << 40), dtype=torch.long, device=like.device)
+        else:
+            size = max(FIRST_ROWS, self.rows)
+            while size < rows:
+                size *= 2
         attn = self.model.layers[0].self_attn
         shape = (attn.kv_heads, size, attn.head_dim)
         old = self.rows

@@ -58,12 +58,11 @@ class MTPDrafter(Drafter):
         self._next_position = 0
         self._anchor: int | None = None
 
-    # -- lifecycle -------------------------------------------------------------------------
-
     @property
     def fast_path(self) -> str:
         return getattr(self.net, "fast_path", "eager")
 
+    # -- lifecycle -------------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         if output.final_hidden is None:
             raise ValueError("the target returned no final hidden state; the engine must capture DrafterInfo.final_hidden")
