@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import speculant
+from layout_helpers import PROMPT, assert_same_speculation
 from speculant.backends.torch import packed
 from speculant.backends.torch.packed import PackedLinear, pack_linears
-
-PROMPT = [5, 6, 7]
 
 
 @pytest.fixture(autouse=True)
@@ -43,13 +42,7 @@ def test_auto_packs_the_target_and_draft_and_changes_no_token(planted_pair):
     assert "packed for oneDNN" in packed_engine.target.fast_path
     assert "packed for oneDNN" in packed_engine.drafter.net.fast_path
     assert layers(dense_engine.target.model, PackedLinear) == []
-    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=64, block_size=16, ignore_eos=True)
-    fast, slow = packed_engine.run(**kwargs), dense_engine.run(**kwargs)
-    plain = dense_engine.without_drafter().run(**kwargs)
-    assert fast.token_ids == slow.token_ids == plain.token_ids
-    assert fast.stats.acceptance_lengths == slow.stats.acceptance_lengths
-    assert min(fast.stats.acceptance_lengths) < 16 < max(fast.stats.acceptance_lengths) + 1
-    assert packed_engine.without_drafter().run(**kwargs).token_ids == plain.token_ids
+    assert_same_speculation(packed_engine, dense_engine)
 
 
 def test_not_packed_in_bfloat16_nor_when_compiled_and_the_reason_is_shown(planted_pair):

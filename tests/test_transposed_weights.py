@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import speculant
+from layout_helpers import PROMPT, assert_same_speculation
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -19,8 +20,6 @@ import mlx.nn as nn  # noqa: E402
 
 from speculant.backends.mlx import layout  # noqa: E402
 from speculant.backends.mlx.layout import TransposedLinear, TransposedTiedEmbedding, transpose_linears  # noqa: E402
-
-PROMPT = [5, 6, 7]
 
 
 @pytest.fixture(autouse=True)
@@ -52,13 +51,7 @@ def test_auto_transposes_the_target_and_draft_and_changes_no_token(planted_pair)
     assert "stored transposed" in fast_engine.drafter.net.fast_path
     assert layers(dense_engine.target.model, TransposedLinear) == []
     assert dense_engine.drafter.net.fast_path == "eager"
-    kwargs = dict(prompt_ids=PROMPT, max_new_tokens=64, block_size=16, ignore_eos=True)
-    fast, slow = fast_engine.run(**kwargs), dense_engine.run(**kwargs)
-    plain = dense_engine.without_drafter().run(**kwargs)
-    assert fast.token_ids == slow.token_ids == plain.token_ids
-    assert fast.stats.acceptance_lengths == slow.stats.acceptance_lengths
-    assert min(fast.stats.acceptance_lengths) < 16 < max(fast.stats.acceptance_lengths) + 1
-    assert fast_engine.without_drafter().run(**kwargs).token_ids == plain.token_ids
+    fast, plain = assert_same_speculation(fast_engine, dense_engine)
     assert fast.stats.draft_fast_path == fast_engine.drafter.net.fast_path and plain.stats.draft_fast_path is None
 
 
