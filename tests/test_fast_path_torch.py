@@ -58,8 +58,9 @@ def compiled_plain(pair):
 
 def test_auto_does_not_compile_on_cpu_and_says_what_it_does(pair):
     engine = speculant.load_engine(config(pair[0], compile="auto"))
-    said = engine.target.fast_path  # packed, or why not (measured no faster on this CPU)
-    assert said.startswith("eager") and ("packed for oneDNN" in said or "measured no faster" in said), said
+    said = engine.target.fast_path  # a CPU weight layout, or why not (none measured faster on this CPU)
+    laid_out = said.startswith("eager; ") and ("packed for oneDNN" in said or "stored transposed" in said)
+    assert laid_out or said.startswith("eager: no CPU weight layout was measured faster"), said
     assert engine.target._steps is None
     stats = engine.run(prompt_ids=PROMPTS["short"], max_new_tokens=3).stats
     assert stats.fast_path == engine.target.fast_path

@@ -1,5 +1,5 @@
-"""The CPU's ``backend.compile: auto`` on PyTorch: the target's and the draft's ``nn.Linear``
-layers reordered once for oneDNN (backends/torch/packed.py). Only the rounding may change: the
+"""The CPU's ``backend.compile: auto`` on PyTorch where packing is measured fastest: the target's
+and the draft's ``nn.Linear`` layers reordered once for oneDNN (backends/torch/packed.py). Only the rounding may change: the
 same tokens as the dense layers (plain and speculative, with the same acceptance lengths), each
 layer checked at load, and the dense layers kept, with the reason, where packing fails."""
 
@@ -11,15 +11,15 @@ from torch import nn
 
 import speculant
 from layout_helpers import PROMPT, assert_same_speculation
-from speculant.backends.torch import packed
+from speculant.backends.torch import layouts, packed
 from speculant.backends.torch.packed import PackedLinear, pack_linears
 
 
 @pytest.fixture(autouse=True)
 def packing_pays(monkeypatch):
-    """Whether packing pays is measured at load and depends on the CPU; these tests check what
-    packing does, so they take it as measured to pay (test_timing.py measures for real)."""
-    monkeypatch.setattr(packed, "measured_speedup", lambda pairs: 2.0)
+    """Which layout pays is measured at load and depends on the CPU; these tests check what
+    packing does, so they take it as measured fastest (test_timing.py measures for real)."""
+    monkeypatch.setattr(layouts, "measured_speedups", lambda linears, kinds: {"transposed": 1.5, "packed": 2.0})
 
 
 def engine(pair, compile, draft=True, dtype="float32"):
@@ -47,7 +47,7 @@ def test_auto_packs_the_target_and_draft_and_changes_no_token(planted_pair):
 
 def test_not_packed_in_bfloat16_nor_when_compiled_and_the_reason_is_shown(planted_pair):
     bf16 = engine(planted_pair, "auto", draft=False, dtype="bfloat16")
-    assert bf16.target.fast_path.startswith("eager: packed weights are float32 only")
+    assert bf16.target.fast_path.startswith("eager: CPU weight layouts are float32 only, not bfloat16")
     assert layers(bf16.target.model, PackedLinear) == []
 
 
@@ -60,18 +60,22 @@ def test_a_layer_that_disagrees_keeps_every_layer_dense(planted_pair, monkeypatc
     assert eng.target.fast_path.startswith("eager: packing the linear weights failed (ValueError:"), eng.target.fast_path
     assert "off the dense one" in eng.target.fast_path
     assert layers(eng.target.model, PackedLinear) == [] and layers(eng.target.model, nn.Linear)
-    assert not eng.target.packed
+    assert eng.target.layout is None
 
 
-def test_packing_measured_no_faster_keeps_the_dense_layers_and_says_so(planted_pair, monkeypatch):
+def test_no_layout_measured_faster_keeps_the_dense_layers_and_says_so(planted_pair, monkeypatch):
     measured = []
-    monkeypatch.setattr(packed, "measured_speedup", lambda pairs: measured.append(pairs) or 0.97)
+    monkeypatch.setattr(layouts, "measured_speedups",
+                        lambda linears, kinds: measured.append((linears, kinds)) or {"transposed": 0.96, "packed": 0.97})
     eng = engine(planted_pair, "auto")
-    assert "packed products were measured no faster than dense ones on this CPU (0.97x)" in eng.target.fast_path
-    assert layers(eng.target.model, PackedLinear) == [] and not eng.target.packed
+    said = "no CPU weight layout was measured faster than dense weights on this CPU (transposed 0.96x, packed 0.97x)"
+    assert said in eng.target.fast_path, eng.target.fast_path
+    assert layers(eng.target.model, PackedLinear) == [] and eng.target.layout is None
     assert eng.drafter.net.fast_path == "eager"
-    shapes = {(d.in_features, d.out_features) for d in measured[0]}
-    assert len(measured) == 1 and len(measured[0]) == len(layers(eng.target.model, nn.Linear)) and len(shapes) > 2
+    linears, kinds = measured[0]
+    assert len(measured) == 1 and kinds == ["transposed", "packed"]
+    every = [m for m in eng.target.model.modules() if type(m) is nn.Linear]
+    assert len(linears) == len(every) and {id(m) for m in linears} == {id(m) for m in every}
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (1024, 2100)])  # under and over DENSE_ONE_ROW_BYTES

@@ -1,5 +1,5 @@
-"""``backend.compile: auto`` keeps a CPU weight layout (packed for oneDNN on PyTorch, stored
-transposed on MLX) only where it is measured faster at load (core/timing.py). These tests time
+"""``backend.compile: auto`` keeps a CPU weight layout (stored transposed or packed for oneDNN on
+PyTorch, stored transposed on MLX) only where it is measured faster at load (core/timing.py). These tests time
 for real: a layout made slow on purpose must be measured slower and turned down."""
 
 from __future__ import annotations
@@ -15,31 +15,40 @@ def sleeper(seconds: float):
     return lambda: time.sleep(seconds)
 
 
-def test_speedup_is_old_time_over_new_time_weighted_by_layer_count():
-    fast, slow = sleeper(0.001), sleeper(0.004)
-    assert 2.0 < timing.speedup([(1, fast, slow)], repeats=3) < 8.0
-    assert timing.speedup([(1, slow, fast)], repeats=3) < 0.5
-    # one shape shared by 9 layers outweighs one layer of another shape
-    mixed = timing.speedup([(9, fast, slow), (1, slow, fast)], repeats=3)
-    assert 1.5 < mixed < (9 * 4 + 1) / (9 * 1 + 4) * 1.6
+def test_speedups_are_old_time_over_each_new_time():
+    gains = timing.speedups(sleeper(0.004), {"fast": sleeper(0.001), "slow": sleeper(0.008)}, repeats=3)
+    assert 2.0 < gains["fast"] < 8.0 and 0.25 < gains["slow"] < 0.8
 
 
-def test_packing_made_slow_is_measured_slower_and_turned_down(monkeypatch):
+def test_the_working_set_takes_layers_in_order_up_to_the_budget():
+    sizes = [5, 5, 5, 5]
+    assert timing.working_set(sizes, lambda n: n, budget=12) == [5, 5, 5]
+    assert timing.working_set([100, 1], lambda n: n, budget=12) == [100]  # at least one
+    assert timing.working_set(sizes, lambda n: n, budget=1000) == sizes
+
+
+def test_torch_layouts_made_slow_are_measured_slower(monkeypatch):
     torch = pytest.importorskip("torch")
     from torch import nn
 
-    from speculant.backends.torch import packed
+    from speculant.backends.torch import layouts, packed, transposed
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False))
+    kinds = ["transposed", "packed"]
     forward = packed.PackedLinear.forward
     monkeypatch.setattr(packed.PackedLinear, "forward", lambda self, x: time.sleep(0.002) or forward(self, x))
-    count, problem = packed.pack_linears(model, measure=True)
-    assert count == 0 and "measured no faster than dense ones" in problem, problem
-    assert all(type(m) is nn.Linear for m in model)
+    gains = layouts.measured_speedups(list(model), kinds)
+    assert gains["packed"] < 0.5 < gains["transposed"], gains
+    kind, said = layouts.lay_out(model, torch.float32, measure=True, packable=True)
+    assert kind in (None, "transposed") and all(type(m) is not packed.PackedLinear for m in model), said
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False))
     monkeypatch.setattr(packed.PackedLinear, "forward", forward)
-    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: time.sleep(0.002) or nn.functional.linear(x, self.weight, self.bias))
-    assert packed.pack_linears(model, measure=True) == (2, None)  # now the dense layers are the slow ones
+    monkeypatch.setattr(transposed.TransposedLinear, "forward", lambda self, x: time.sleep(0.002) or x @ self.weight_t)
+    gains = layouts.measured_speedups(list(model), kinds)
+    assert gains["transposed"] < 0.5 and gains["transposed"] < gains["packed"], gains
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: time.sleep(0.004) or nn.functional.linear(x, self.weight, self.bias))
+    assert layouts.lay_out(model, torch.float32, measure=True, packable=True) == ("packed", "2 linear layers packed for oneDNN")
     assert all(type(m) is packed.PackedLinear for m in model)
 
 

@@ -38,8 +38,9 @@ class BackendConfig(_Section):
     compile: Literal["auto", "on", "off"] = "auto"
     """Compiled forwards (torch.compile per verify width over a static cache; mx.compile on MLX):
     `auto` where the backend's benchmark shows they pay (PyTorch: compiled on CUDA; on a CPU, in
-    float32, eager over linear weights packed for oneDNN on PyTorch or stored transposed on MLX,
-    each kept only if timed faster at load), `on` wherever possible, `off` never."""
+    float32, eager over linear weights stored transposed or packed for oneDNN on PyTorch, stored
+    transposed on MLX, whichever is timed fastest at load, if faster than as loaded), `on`
+    wherever possible (on a CPU over transposed weights), `off` never."""
     draft_ahead: Literal["auto", "on", "off"] = "auto"
     """Draft the next block before the host reads this cycle's verification, assuming the whole
     block is accepted (greedy, fixed-width verifiers; kept only when it was): `auto` on GPUs (Metal,

@@ -1,38 +1,42 @@
 """Whether another layout of a model's weights is faster on this machine, measured at load.
 
-The CPU fast paths that only change how weights are laid out (packed for oneDNN on PyTorch,
-stored transposed on MLX) pay on some CPUs and lose on others: packing took 25 % off a verify
-block on a 2-core AMD EPYC, and ran at 0.74-0.94 of dense speed on an Intel Xeon with AVX-512
-(docs/fast-path.md).
-So ``backend.compile: auto`` times both layouts on the model's own layer shapes, interleaved,
-and keeps the new one only where it is faster by ``MARGIN``.
+The CPU fast paths that only change how weights are laid out (stored transposed or packed for
+oneDNN on PyTorch, stored transposed on MLX) pay on some CPUs and lose on others, and on one CPU
+they can win over a weight hot in the cache yet lose over a whole model's weights in turn: on an
+Intel Xeon with AVX-512 an 8-row product ran 1.6x faster transposed over one layer per shape,
+but 0.95x over the 57 layers of a 25M-parameter target (docs/fast-path.md). So
+``backend.compile: auto`` times the layouts over the model's own layers in order, as a forward
+reads them (:func:`working_set`), interleaved, and keeps a new one only where it is faster by
+``MARGIN``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 MARGIN = 1.05  # the new layout must be this much faster than the old one to be kept
 REPEATS = 7
+# Layers timed, in model order, until their weights reach this: far more than a core's own
+# caches hold, so that each product reads its weight from further out, as in a forward; at most
+# this much is copied into a new layout to be timed.
+WORKING_SET_BYTES = 256 << 20
 
 
-def speedup(cases: Sequence[tuple[int, Callable[[], None], Callable[[], None]]], repeats: int = REPEATS) -> float:
-    """The old layout's time over the new one's, for ``(weight, new, old)`` cases: each case's
-    median over interleaved repeats, summed with its weight (how many layers share its shape).
+def speedups(old: Callable[[], None], new: dict[str, Callable[[], None]], repeats: int = REPEATS) -> dict[str, float]:
+    """``old``'s median time over each ``new`` one's, timed interleaved (drift hits them alike).
     Each callable must return only once its work is done."""
-    new_total = old_total = 0.0
-    for weight, new, old in cases:
-        new()  # first calls allocate and warm caches
-        old()
-        new_times, old_times = [], []
-        for _ in range(repeats):
-            old_times.append(_seconds(old))
-            new_times.append(_seconds(new))
-        new_total += weight * statistics.median(new_times)
-        old_total += weight * statistics.median(old_times)
-    return old_total / new_total if new_total > 0 else float("inf")
+    runs = {None: old, **new}
+    for run in runs.values():
+        run()  # first calls allocate and warm up
+    times: dict = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            times[key].append(_seconds(run))
+    old_time = statistics.median(times[None])
+    return {key: old_time / statistics.median(times[key]) if statistics.median(times[key]) > 0 else float("inf")
+            for key in new}
 
 
 def _seconds(fn: Callable[[], None]) -> float:
@@ -41,11 +45,12 @@ def _seconds(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def speedup_by_shape(layers: Sequence[Any], shape: Callable[[Any], Hashable],
-                     case: Callable[[Any], tuple[Callable[[], None], Callable[[], None]]]) -> float:
-    """:func:`speedup` over one layer of each ``shape(layer)``, weighted by how many layers share it;
-    ``case(layer)`` gives that layer's (new layout, old layout) callables."""
-    groups: dict[Hashable, list] = {}
+def working_set(layers: Sequence[Any], nbytes: Callable[[Any], int], budget: int = WORKING_SET_BYTES) -> list:
+    """``layers`` from the first, until their ``nbytes`` reach ``budget`` (at least one)."""
+    chosen, total = [], 0
     for layer in layers:
-        groups.setdefault(shape(layer), [0, layer])[0] += 1
-    return speedup([(count, *case(layer)) for count, layer in groups.values()])
+        if chosen and total >= budget:
+            break
+        chosen.append(layer)
+        total += nbytes(layer)
+    return chosen

@@ -6,7 +6,7 @@ with the rows, and which is 25-30 % faster over a weight stored [in, out] (``x @
 rows in float32, with the same results (``benchmarks/matmul_rows.py``, docs/fast-path.md). In
 bfloat16 or float16 it gained nothing, so only float32 layers are transposed, and since another
 BLAS (Accelerate on a Mac's CPU) may rank the layouts otherwise, the target's ``auto`` times both
-on its own layer shapes at load (:func:`measured_speedup`) and keeps the faster. The target's
+over its own layers at load (:func:`measured_speedup`) and keeps the faster. The target's
 ``nn.Linear`` layers (exactly that class: quantized ones stay) become :class:`TransposedLinear`,
 each checked against the dense product on a few rows; the drafter's are transposed too
 (``TargetModel.prepare_draft``). A head tied to the embedding reads a transposed copy of the
@@ -95,16 +95,18 @@ def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str
 
 
 def measured_speedup(linears: list[nn.Linear]) -> float:
-    """Time as loaded over time transposed, for one layer of each shape (weighted by how many
-    share it), over a plain step's row and a verify block's."""
-    return timing.speedup_by_shape(linears, lambda d: (*d.weight.shape, "bias" in d), _timed_pair)
+    """Time as loaded over time transposed, over ``linears`` in order up to the working set
+    (core/timing.py), each run on a plain step's row and a verify block's."""
+    sample = timing.working_set(linears, lambda d: d.weight.nbytes)
+    swapped = [TransposedLinear(d) for d in sample]
+    xs = {(rows, d.weight.shape[1]): mx.random.normal((rows, d.weight.shape[1]), key=mx.random.key(rows))
+          for d in sample for rows in MEASURED_ROWS}
+    mx.eval(list(xs.values()), [layer.weight_t for layer in swapped])
 
+    def run(layers):
+        return lambda: mx.eval([layer(xs[rows, layer.weight.shape[1]]) for rows in MEASURED_ROWS for layer in layers])
 
-def _timed_pair(dense: nn.Linear):
-    swapped = TransposedLinear(dense)
-    xs = [mx.random.normal((rows, dense.weight.shape[1]), key=mx.random.key(rows)) for rows in MEASURED_ROWS]
-    mx.eval(xs, swapped.weight_t)
-    return (lambda: mx.eval([swapped(x) for x in xs])), (lambda: mx.eval([dense(x) for x in xs]))
+    return timing.speedups(run(sample), {"transposed": run(swapped)})["transposed"]
 
 
 def transpose_tied_head(inner: nn.Module) -> bool:

@@ -14,19 +14,16 @@ wider verify block's already do: :func:`pack_linears` checks each packed layer a
 product and keeps the dense layers if one disagrees beyond that, or if packing fails.
 
 Whether it pays depends on the CPU: on a 2-core AMD EPYC a packed verify block of 8 cost 1.3
-one-row forwards against 1.7 dense, while on an Intel Xeon with AVX-512, where MKL's small GEMMs
-are already flat in the rows, packed products ran at 0.74-0.94 of dense ones' speed. So ``auto`` times
-both on its own layer shapes at load (:func:`measured_speedup`, core/timing.py) and keeps the
-dense layers unless packing is faster. The drafter's layers are packed too
-(``Backend.prepare_draft``) when the target's are.
+one-row forwards against 1.7 dense, while on an Intel Xeon with AVX-512 it ranged from a loss to
+a small gain with the model's size. So ``auto`` times it at load against the other layouts
+(layouts.py). The drafter's layers are packed too (``TargetModel.prepare_draft``) when the
+target's are.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from speculant.core import timing
 
 BATCH_HINT = 8  # rows oneDNN lays the weight out for; any row count runs on it
 # Below this a one-row F.linear beat oneDNN's packed product (2 cores, 2026-12-02: 3 MB 85 vs 52-138 us
@@ -67,28 +64,25 @@ def pack_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) for every layer of ``model`` that is exactly ``nn.Linear``."""
     return [(parent, name, child) for parent in model.modules()
             for name, child in parent.named_children() if type(child) is nn.Linear]
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | None]:
+def pack_linears(model: nn.Module) -> tuple[int, str | None]:
     """Swap every ``nn.Linear`` of ``model`` (exactly that class: quantized layers stay) for a
-    :class:`PackedLinear`, each checked against its dense product on a few rows, and, with
-    ``measure``, only if packed products are first measured faster here (core/timing.py):
-    (layers packed, None), or (0, why not) with the model left as it was."""
-    found = _linears(model)
+    :class:`PackedLinear`, each checked against its dense product on a few rows: (layers packed,
+    None), or (0, why not) with the model left as it was."""
+    found = linear_layers(model)
     if not found:
         return 0, "no nn.Linear layers to pack"
     done = []
     try:
-        gain = measured_speedup([linear for *_, linear in found]) if measure else None
-        if gain is not None and not gain >= timing.MARGIN:
-            return 0, f"packed products were measured no faster than dense ones on this CPU ({gain:.2f}x)"
         for parent, name, linear in found:
             packed = PackedLinear(linear)
-            error = _relative_error(linear, packed)
+            error = relative_error(linear, packed)
             if not error <= CHECK_TOLERANCE:  # also catches NaN
                 raise ValueError(f"{name}: packed product {error:.2g} off the dense one (relative)")
             setattr(parent, name, packed)
@@ -99,26 +93,15 @@ def pack_linears(model: nn.Module, measure: bool = False) -> tuple[int, str | No
     return len(found), None
 
 
-def measured_speedup(linears: list[nn.Linear]) -> float:
-    """Dense time over packed time for one layer of each shape (weighted by how many share it),
-    over a plain step's row and a verify block's."""
-    return timing.speedup_by_shape(linears, lambda d: (d.in_features, d.out_features, d.bias is not None), _timed_pair)
-
-
-def _timed_pair(dense: nn.Linear):
-    packed = PackedLinear(dense)
-    xs = [torch.randn(rows, dense.in_features, dtype=dense.weight.dtype) for rows in MEASURED_ROWS]
-    return (lambda: [packed(x) for x in xs]), (lambda: [dense(x) for x in xs])
-
-
 def _restore(done: list) -> None:
     for parent, name, linear in done:
         setattr(parent, name, linear)
 
 
-def _relative_error(linear: nn.Linear, packed: PackedLinear) -> float:
+def relative_error(linear: nn.Linear, other: nn.Module) -> float:
+    """Largest difference of ``other``'s product from ``linear``'s on 3 random rows, relative to its scale."""
     weight = linear.weight
     x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     dense = nn.functional.linear(x, weight, linear.bias)
     scale = float(dense.abs().max()) or 1.0
-    return float((packed(x) - dense).abs().max()) / scale
+    return float((other(x) - dense).abs().max()) / scale

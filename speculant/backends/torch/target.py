@@ -10,7 +10,7 @@ import torch
 
 from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, StaticKV, compile_problem, static_rows, wants_compile
 from speculant.backends.torch.loading import logit_transform
-from speculant.backends.torch.packed import pack_linears, pack_problem
+from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording
 from speculant.core.interfaces import TargetModel
@@ -88,42 +88,38 @@ class TorchTarget(TargetModel):
         self._static: StaticKV | None = None  # the compiled path's cache, see compiled.py
         self._steps: CompiledSteps | None = None
         self._on_static = False  # this request runs on the static cache
-        self.packed = False  # linear layers reordered for oneDNN (packed.py)
+        self.layout: str | None = None  # the CPU's linear weights: "packed" (packed.py) or "transposed" (transposed.py)
+        self._layout_note = ""  # what was done to them, or why nothing was (for a compiled fast_path)
         self._eager_reason = self._plan_fast_path(getattr(backend.config, "compile", "off"))
 
     def _plan_fast_path(self, setting: str) -> str:
-        """Set up the compiled path where ``backend.compile`` asks for it and the target allows it;
-        otherwise say why the forwards stay eager."""
+        """Set up the compiled path where ``backend.compile`` asks for it and the target allows it,
+        and on a CPU the linear weights' layout (layouts.py); otherwise say why the forwards stay eager."""
         device = self.model.device
-        if setting == "auto" and device.type == "cpu":
-            return self._pack_weights()
-        if not wants_compile(setting, device):
+        compiling = wants_compile(setting, device)
+        problem = compile_problem(self.model, self.info.layer_types) if compiling else None
+        if setting != "off" and device.type == "cpu":
+            self.layout, said = layouts.lay_out(self.model, self.backend.dtype, measure=setting == "auto",
+                                                packable=not compiling or problem is not None)
+            self._head = self.model.get_output_embeddings()
+            self._layout_note = said if self.layout else f"linear weights as loaded ({said})"
+            if not compiling:
+                return f"eager{'; ' if self.layout else ': '}{said} (backend.compile={setting} on cpu)"
+        if not compiling:
             return f"eager: backend.compile is {setting!r}" + (f" (auto compiles on CUDA only, not {device.type})"
                                                                if setting == "auto" else "")
-        problem = compile_problem(self.model, self.info.layer_types)
         if problem is not None:
-            return f"eager: {problem}"
+            return f"eager: {problem}" + (f"; {self._layout_note}" if self._layout_note else "")
         rows, self._max_rows = static_rows(self.model.config, device)
         self._static = StaticKV(self.model.config, rows)
         self._steps = CompiledSteps(self._static_step, device)
         return ""
 
-    def _pack_weights(self) -> str:
-        """The CPU's ``auto``: eager forwards over linear weights reordered for oneDNN (packed.py)."""
-        problem = pack_problem(self.model.device, self.backend.dtype)
-        if problem is None:
-            count, problem = pack_linears(self.model, measure=True)
-        if problem is not None:
-            return f"eager: {problem} (backend.compile=auto on cpu)"
-        self._head = self.model.get_output_embeddings()
-        self.packed = True
-        return f"eager; {count} linear layers packed for oneDNN (backend.compile=auto on cpu)"
-
     @property
     def fast_path(self) -> str:
         if self._steps is None:
             return self._eager_reason
-        return self._steps.describe(self._static.rows)
+        return self._steps.describe(self._static.rows) + (f"; {self._layout_note}" if self._layout_note else "")
 
     def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
         """Compile, now rather than inside the first requests, the graph of every width a block of
@@ -268,10 +264,9 @@ class TorchTarget(TargetModel):
         return self._embedding(token_ids)
 
     def prepare_draft(self, module) -> str | None:
-        if not self.packed:
+        if self.layout is None:
             return None
-        count, problem = pack_linears(module)
-        return f"eager: {problem}" if problem else f"eager; {count} linear layers packed for oneDNN"
+        return layouts.lay_out_like(module, self.layout)
 
     @torch.inference_mode()
     def lm_head(self, hidden, *, raw: bool = False) -> torch.Tensor:

@@ -205,6 +205,7 @@ class TorchDFlashNetwork:
         self._dtype = next(model.parameters()).dtype
         self.compiled = None  # a CompiledDraft (dflash/compiled.py) once compile_step succeeds
         self._eager_path = "eager"  # what runs when nothing is compiled, or why not
+        self.layout_note: str | None = None  # the compiled step's weight layout (follow_target)
 
     def compile_step(self, block: int) -> None:
         """Run the draft step compiled (one graph per context bucket, see compiled.py), compiling
@@ -221,7 +222,9 @@ class TorchDFlashNetwork:
     @property
     def fast_path(self) -> str:
         """The compiled draft as it is now (its buckets, rows and compile time grow), or why eager."""
-        return self.compiled.describe() if self.compiled is not None else self._eager_path
+        if self.compiled is None:
+            return self._eager_path
+        return self.compiled.describe() + (f"; {self.layout_note}" if self.layout_note else "")
 
     @fast_path.setter
     def fast_path(self, value: str) -> None:

@@ -51,14 +51,16 @@ def place_and_quantize(model, config, info, backend):
 
 
 def follow_target(network, config, info, backend, target) -> None:
-    """Run the draft step the way the target runs: compiled (dflash/compiled.py) where the target
-    is (with an eager target the draft's share of a cycle is not where the time goes, and
-    compiling costs seconds); over packed weights where the target's are (the CPU's ``auto``)."""
+    """Lay the draft's weights out as the target's are (the CPU's transposed or packed weights),
+    then run the draft step compiled (dflash/compiled.py) where the target is (with an eager target
+    the draft's share of a cycle is not where the time goes, and compiling costs seconds)."""
     if getattr(backend.config, "compile", "off") == "off":
         return
+    laid_out = target.prepare_draft(network.model)
     if not str(getattr(target, "fast_path", "")).startswith("compiled"):
-        network.fast_path = target.prepare_draft(network.model) or network.fast_path
+        network.fast_path = laid_out or network.fast_path
         return
+    network.layout_note = laid_out.removeprefix("eager").lstrip(":; ") if laid_out else None
     network.compile_step(config.block_size or info.default_block_size or info.trained_block_size or 2)
 
 

@@ -1,0 +1,68 @@
+"""The CPU's layout of a PyTorch model's linear weights, chosen at load: as loaded
+(``nn.Linear``), stored transposed (transposed.py) or packed for oneDNN (packed.py; eager
+forwards only, since its weight is opaque to ``torch.compile``).
+
+Which is fastest depends on the CPU and on the model: on an Intel Xeon with AVX-512 (one
+thread), over the 57 layers of a 25M-parameter target in turn, packed products ran 1.08x as fast
+as dense ones and transposed ones 0.95x, while over the 5M-parameter shipped target transposed
+ones won; on a 2-core AMD EPYC packing took 25 % off a verify block. So under ``auto`` all of them
+are timed over the model's own layers (core/timing.py) and the fastest is kept if it beats the
+weights as loaded by ``timing.MARGIN``; ``on`` (compiled) takes the transposed layout untimed.
+A drafter's layers follow its target's choice (``TargetModel.prepare_draft``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from speculant.backends.torch.packed import MEASURED_ROWS, PackedLinear, linear_layers, pack_linears, pack_problem
+from speculant.backends.torch.transposed import TransposedLinear, transpose_linears
+from speculant.core import timing
+
+# name: (the layer it makes of an nn.Linear, lay a module out, how fast_path says it)
+LAYOUTS = {"transposed": (TransposedLinear, transpose_linears, "stored transposed"),
+           "packed": (PackedLinear, pack_linears, "packed for oneDNN")}
+
+
+def lay_out(model: nn.Module, dtype: torch.dtype, measure: bool, packable: bool) -> tuple[str | None, str]:
+    """Lay ``model``'s linear weights out for the CPU: (layout, what was done), or (None, why not)
+    with the model left as it was. With ``measure``, the layout measured fastest here, if any
+    beats the weights as loaded; without, the transposed one."""
+    if dtype != torch.float32:
+        return None, f"CPU weight layouts are float32 only, not {str(dtype).removeprefix('torch.')}"
+    kind = "transposed"
+    if measure:
+        linears = [linear for *_, linear in linear_layers(model)]
+        if not linears:
+            return None, "no nn.Linear layers to lay out"
+        kinds = ["transposed"] + (["packed"] if packable and pack_problem(torch.device("cpu"), dtype) is None else [])
+        gains = measured_speedups(linears, kinds)
+        kind = max(gains, key=gains.get)
+        if not gains[kind] >= timing.MARGIN:
+            said = ", ".join(f"{name} {gain:.2f}x" for name, gain in gains.items())
+            return None, f"no CPU weight layout was measured faster than dense weights on this CPU ({said})"
+    count, problem = LAYOUTS[kind][1](model)
+    if problem is not None:
+        return None, problem
+    return kind, f"{count} linear layers {LAYOUTS[kind][2]}"
+
+
+def lay_out_like(module: nn.Module, kind: str) -> str:
+    """A drafter's modules laid out as its target's (``kind``): a fast_path for an eager draft."""
+    count, problem = LAYOUTS[kind][1](module)
+    return f"eager: {problem}" if problem else f"eager; {count} linear layers {LAYOUTS[kind][2]}"
+
+
+@torch.inference_mode()
+def measured_speedups(linears: list[nn.Linear], kinds: list[str]) -> dict[str, float]:
+    """Dense time over each layout's, over ``linears`` in order up to the working set
+    (core/timing.py), each run on a plain step's row and a verify block's."""
+    sample = timing.working_set(linears, lambda d: d.weight.numel() * d.weight.element_size())
+    xs = {(rows, d.in_features): torch.randn(rows, d.in_features, dtype=d.weight.dtype)
+          for d in sample for rows in MEASURED_ROWS}
+
+    def run(layers):
+        return lambda: [layer(xs[rows, layer.in_features]) for rows in MEASURED_ROWS for layer in layers]
+
+    return timing.speedups(run(sample), {kind: run([LAYOUTS[kind][0](d) for d in sample]) for kind in kinds})
