@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# PyTorch's OpenMP workers spin after every op by default, taking cores from MLX (mlx_vs_torch.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # -- pairs -------------------------------------------------------------------------------------
@@ -220,7 +218,7 @@ def build_arms(args, backend: str, pair: str, paths, worker: ReferenceWorker | N
     if worker is not None:
         key = f"{backend}/{pair}"
         worker.ask(op="load", key=key, backend=backend, device=args.device, dtype=args.dtype,
-                   target=str(target), draft=str(draft))
+                   target=str(target), draft=str(draft), threads=args.threads)
         arms["reference plain"] = Reference(worker, key, True, args.block_size)
         arms["reference dflash"] = Reference(worker, key, False, args.block_size)
     return arms
@@ -306,11 +304,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-ahead", default="auto",
                         help="backend.draft_ahead of the speculant dflash arms; comma-separated adds an arm per extra "
                              "setting (e.g. auto,off), under the first --compile setting")
-    parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads on the CPU")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="PyTorch intra-op threads on the CPU, for speculant's arms and the reference worker alike")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference dflash loop")
     parser.add_argument("--small", action="store_true", help="smoke run: 1 repeat, 8 tokens, a tiny mid pair")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if {"mlx", "torch"} <= set(args.backend.split(",")):
+        # PyTorch's OpenMP workers spin after every op, taking cores from MLX (mlx_vs_torch.py). Only
+        # then: with 2 threads, PASSIVE made every PyTorch forward of the shipped target 3x slower
+        # (9.0 against 2.8 ms), each op waking a sleeping worker, for every arm, the reference's too.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.worker:
         return serve()
     if args.small:
@@ -421,6 +425,8 @@ def _load_torch(request: dict):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     if not device.startswith("cuda"):
         ref._cuda_time = time.perf_counter  # its timer synchronises CUDA
+    if request.get("threads"):
+        torch.set_num_threads(request["threads"])  # the same intra-op threads as speculant's arms
     dtype = torch.float32 if request["dtype"] == "auto" else getattr(torch, request["dtype"])
     target = AutoModelForCausalLM.from_pretrained(request["target"], dtype=dtype, attn_implementation="sdpa")
     draft = ref.DFlashDraftModel.from_pretrained(request["draft"], dtype=dtype)
