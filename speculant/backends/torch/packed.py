@@ -29,7 +29,6 @@ BATCH_HINT = 8  # rows oneDNN lays the weight out for; any row count runs on it
 # Below this a one-row F.linear beat oneDNN's packed product (2 cores, 2026-12-02: 3 MB 85 vs 52-138 us
 # depending on the OpenMP wait policy, 13 MB 279-712 vs 138-317 us), so such layers keep both.
 DENSE_ONE_ROW_BYTES = 8 << 20
-MEASURED_ROWS = (1, 8)  # a plain step and a verify block: what auto times both layouts on
 CHECK_TOLERANCE = 1e-4  # largest |packed - dense| difference, relative to the product's scale
 
 
