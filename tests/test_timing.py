@@ -40,7 +40,7 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch):
     monkeypatch.setattr(packed.PackedLinear, "forward", lambda self, x: time.sleep(0.002) or forward(self, x))
     gains = layouts.measured_speedups(list(model), kinds)
     assert gains["packed"] < 0.5 < gains["transposed"], gains
-    kind, said = layouts.lay_out(model, torch.float32, measure=True, packable=True)
+    kind, said = layouts.lay_out(model, torch.float32, packable=True)
     assert kind in (None, "transposed") and all(type(m) is not packed.PackedLinear for m in model), said
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False))
     monkeypatch.setattr(packed.PackedLinear, "forward", forward)
@@ -48,7 +48,7 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch):
     gains = layouts.measured_speedups(list(model), kinds)
     assert gains["transposed"] < 0.5 and gains["transposed"] < gains["packed"], gains
     monkeypatch.setattr(nn.Linear, "forward", lambda self, x: time.sleep(0.004) or nn.functional.linear(x, self.weight, self.bias))
-    assert layouts.lay_out(model, torch.float32, measure=True, packable=True) == ("packed", "2 linear layers packed for oneDNN")
+    assert layouts.lay_out(model, torch.float32, packable=True) == ("packed", "2 linear layers packed for oneDNN")
     assert all(type(m) is packed.PackedLinear for m in model)
 
 

@@ -7,7 +7,7 @@ thread), over the 57 layers of a 25M-parameter target in turn, packed products r
 as dense ones and transposed ones 0.95x, while over the 5M-parameter shipped target transposed
 ones won; on a 2-core AMD EPYC packing took 25 % off a verify block. So under ``auto`` all of them
 are timed over the model's own layers (core/timing.py) and the fastest is kept if it beats the
-weights as loaded by ``timing.MARGIN``; ``on`` (compiled) takes the transposed layout untimed.
+weights as loaded by ``timing.MARGIN``; under ``on`` (compiled forwards) likewise, packing aside.
 A drafter's layers follow its target's choice (``TargetModel.prepare_draft``).
 """
 
@@ -30,23 +30,21 @@ LAYOUTS = {"transposed": (TransposedLinear, transpose_linears, "stored transpose
            "packed": (PackedLinear, pack_linears, "packed for oneDNN")}
 
 
-def lay_out(model: nn.Module, dtype: torch.dtype, measure: bool, packable: bool) -> tuple[str | None, str]:
-    """Lay ``model``'s linear weights out for the CPU: (layout, what was done), or (None, why not)
-    with the model left as it was. With ``measure``, the layout measured fastest here, if any
-    beats the weights as loaded; without, the transposed one."""
+def lay_out(model: nn.Module, dtype: torch.dtype, packable: bool) -> tuple[str | None, str]:
+    """Lay ``model``'s linear weights out for the CPU as measured fastest here, if any layout beats
+    them as loaded (``packable``: packing is one of the choices): (layout, what was done), or
+    (None, why not) with the model left as it was."""
     if dtype != torch.float32:
         return None, f"CPU weight layouts are float32 only, not {str(dtype).removeprefix('torch.')}"
-    kind = "transposed"
-    if measure:
-        linears = [linear for *_, linear in linear_layers(model)]
-        if not linears:
-            return None, "no nn.Linear layers to lay out"
-        kinds = ["transposed"] + (["packed"] if packable and pack_problem(torch.device("cpu"), dtype) is None else [])
-        gains = measured_speedups(linears, kinds)
-        kind = max(gains, key=gains.get)
-        if not gains[kind] >= timing.MARGIN:
-            said = ", ".join(f"{name} {gain:.2f}x" for name, gain in gains.items())
-            return None, f"no CPU weight layout was measured faster than dense weights on this CPU ({said})"
+    linears = [linear for *_, linear in linear_layers(model)]
+    if not linears:
+        return None, "no nn.Linear layers to lay out"
+    kinds = ["transposed"] + (["packed"] if packable and pack_problem(torch.device("cpu"), dtype) is None else [])
+    gains = measured_speedups(linears, kinds)
+    kind = max(gains, key=gains.get)
+    if not gains[kind] >= timing.MARGIN:
+        said = ", ".join(f"{name} {gain:.2f}x" for name, gain in gains.items())
+        return None, f"no CPU weight layout was measured faster than dense weights on this CPU ({said})"
     count, problem = LAYOUTS[kind][1](model)
     if problem is not None:
         return None, problem
