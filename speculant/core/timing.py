@@ -12,6 +12,7 @@ reads them (:func:`working_set`), interleaved, and keeps a new one only where it
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -22,6 +23,7 @@ REPEATS = 7
 # shipped target's transposed layers, one thread: 8.3, 2.8, 2.5, 1.8, then 1.1-1.2 ms), and one
 # warm-up call left transposed weights measured at 0.86-0.94x of dense where they run 1.3-1.5x.
 WARM_UP = 5
+MIN_SAMPLE_S = 0.005
 # Layers timed, in model order, until their weights reach this: far more than a core's own
 # caches hold, so that each product reads its weight from further out, as in a forward; at most
 # this much is copied into a new layout to be timed.
@@ -35,18 +37,22 @@ def speedups(old: Callable[[], None], new: dict[str, Callable[[], None]], repeat
     for _ in range(WARM_UP):
         for run in runs.values():
             run()
+    # a sample of at least MIN_SAMPLE_S: one pass over a small model is a millisecond or two,
+    # where a single timing moved the ratio by ±20 %
+    loops = max(1, math.ceil(MIN_SAMPLE_S / max(_seconds(old), 1e-6)))
     times: dict = {key: [] for key in runs}
     for _ in range(repeats):
         for key, run in runs.items():
-            times[key].append(_seconds(run))
+            times[key].append(_seconds(run, loops))
     old_time = statistics.median(times[None])
     return {key: old_time / statistics.median(times[key]) if statistics.median(times[key]) > 0 else float("inf")
             for key in new}
 
 
-def _seconds(fn: Callable[[], None]) -> float:
+def _seconds(fn: Callable[[], None], loops: int = 1) -> float:
     start = time.perf_counter()
-    fn()
+    for _ in range(loops):
+        fn()
     return time.perf_counter() - start
 
 
