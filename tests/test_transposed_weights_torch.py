@@ -146,3 +146,25 @@ def test_transposed_products_round_like_dense_ones(bias):
     for rows in (1, 3, 8, 17):
         x = torch.randn(2, rows, 96)
         torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_originals_are_released_as_they_are_swapped(monkeypatch):
+    """Memory: no list keeps an original weight alive once its layer is transposed (a tied one
+    stays with the module that shares it)."""
+    import gc
+    import weakref
+
+    holder = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32))
+    originals = [weakref.ref(layer.weight) for layer in holder]
+    seen = []
+    init = TransposedLinear.__init__
+
+    def note_alive(self, linear):
+        gc.collect()
+        seen.append([ref() is not None for ref in originals])
+        init(self, linear)
+
+    monkeypatch.setattr(TransposedLinear, "__init__", note_alive)
+    assert transpose_linears(holder) == (2, None)
+    gc.collect()
+    assert seen == [[True, True], [False, True]] and all(ref() is None for ref in originals)

@@ -64,8 +64,10 @@ def transpose_linears(model: nn.Module) -> tuple[int, str | None]:
     found = [entry for entry in found if not _too_large_to_copy(entry[2], shared)]
     if not found:
         return 0, "no float32 nn.Linear layers to transpose"
-    done = []
-    for parent, name, linear in found:
+    count, done = len(found), []
+    found.reverse()
+    while found:  # popped, so that the list holds no original once it is swapped out
+        parent, name, linear = found.pop()
         swapped = TransposedLinear(linear)
         error = relative_error(linear, swapped)
         if not error <= CHECK_TOLERANCE:  # also catches NaN
@@ -74,7 +76,7 @@ def transpose_linears(model: nn.Module) -> tuple[int, str | None]:
         setattr(parent, name, swapped)
         # a tied weight stays with its other owner anyway; any other original goes once swapped
         done.append((parent, name, swapped, linear if id(linear.weight) in shared else None))
-    return len(found), None
+    return count, None
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
