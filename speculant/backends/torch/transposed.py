@@ -58,8 +58,9 @@ class TransposedLinear(nn.Module):
 def transpose_linears(model: nn.Module) -> tuple[int, str | None]:
     """Swap every float32 ``nn.Linear`` of ``model`` for a checked :class:`TransposedLinear`:
     (layers swapped, None), or (0, why not) with the model left as it was."""
+    # a plain float32 weight only: torchao's quantized drafts keep nn.Linear over a tensor subclass
     found = [(parent, name, linear) for parent, name, linear in linear_layers(model)
-             if linear.weight.dtype == torch.float32]
+             if linear.weight.dtype == torch.float32 and type(linear.weight) in (nn.Parameter, torch.Tensor)]
     shared = _shared_weights(model)
     found = [entry for entry in found if not _too_large_to_copy(entry[2], shared)]
     if not found:
