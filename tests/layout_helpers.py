@@ -1,4 +1,4 @@
-"""Shared by the CPU weight-layout tests (packed on PyTorch, transposed on MLX): a speculative run
+"""Shared by the CPU weight-layout tests (transposed or packed on PyTorch, transposed on MLX): a speculative run
 over the new layout gives the same tokens and acceptance lengths as over the layers as loaded."""
 
 from __future__ import annotations
@@ -17,3 +17,10 @@ def assert_same_speculation(fast_engine, dense_engine):
     assert min(fast.stats.acceptance_lengths) < 16 < max(fast.stats.acceptance_lengths) + 1
     assert fast_engine.without_drafter().run(**kwargs).token_ids == plain.token_ids
     return fast, plain
+
+
+def assert_laid_out(fast_engine, layers, linear, laid_out):
+    """Neither the target nor the draft of ``fast_engine`` keeps a ``linear`` layer, and both
+    have ``laid_out`` ones (``layers(model, kind)``: the model's modules of exactly that kind)."""
+    for model in (fast_engine.target.model, fast_engine.drafter.net.model):
+        assert layers(model, linear) == [] and len(layers(model, laid_out)) > 0

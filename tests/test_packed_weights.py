@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import speculant
-from layout_helpers import PROMPT, assert_same_speculation
+from layout_helpers import PROMPT, assert_laid_out, assert_same_speculation
 from speculant.backends.torch import layouts, packed
 from speculant.backends.torch.packed import PackedLinear, pack_linears
 
@@ -36,9 +36,7 @@ def layers(model, kind):
 
 def test_auto_packs_the_target_and_draft_and_changes_no_token(planted_pair):
     packed_engine, dense_engine = engine(planted_pair, "auto"), engine(planted_pair, "off")
-    target, draft = packed_engine.target.model, packed_engine.drafter.net.model
-    assert layers(target, nn.Linear) == [] and len(layers(target, PackedLinear)) > 0
-    assert layers(draft, nn.Linear) == [] and len(layers(draft, PackedLinear)) > 0
+    assert_laid_out(packed_engine, layers, nn.Linear, PackedLinear)
     assert "packed for oneDNN" in packed_engine.target.fast_path
     assert "packed for oneDNN" in packed_engine.drafter.net.fast_path
     assert layers(dense_engine.target.model, PackedLinear) == []

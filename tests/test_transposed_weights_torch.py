@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import speculant
-from layout_helpers import PROMPT, assert_same_speculation
+from layout_helpers import PROMPT, assert_laid_out, assert_same_speculation
 from speculant.backends.torch import layouts
 from speculant.backends.torch.packed import PackedLinear
 from speculant.backends.torch.transposed import TransposedLinear, transpose_linears
@@ -44,9 +44,7 @@ def layers(model, kind):
 def test_auto_transposes_the_target_and_draft_and_changes_no_token(planted_pair):
     fast_engine = engine(planted_pair["target"], "auto", planted_pair["draft"])
     dense_engine = engine(planted_pair["target"], "off", planted_pair["draft"])
-    target, draft = fast_engine.target.model, fast_engine.drafter.net.model
-    assert layers(target, nn.Linear) == [] and len(layers(target, TransposedLinear)) > 0
-    assert layers(draft, nn.Linear) == [] and len(layers(draft, TransposedLinear)) > 0
+    assert_laid_out(fast_engine, layers, nn.Linear, TransposedLinear)
     assert fast_engine.target.layout == "transposed"
     assert "linear layers stored transposed (backend.compile=auto on cpu)" in fast_engine.target.fast_path
     assert fast_engine.drafter.net.fast_path.startswith("eager; ") and "stored transposed" in fast_engine.drafter.net.fast_path

@@ -5,9 +5,9 @@ oneDNN on PyTorch, stored transposed on MLX) pay on some CPUs and lose on others
 they can win over a weight hot in the cache yet lose over a whole model's weights in turn: on an
 Intel Xeon with AVX-512 an 8-row product ran 1.6x faster transposed over one layer per shape,
 but 0.95x over the 57 layers of a 25M-parameter target (docs/fast-path.md). So
-``backend.compile: auto`` times the layouts over the model's own layers in order, as a forward
-reads them (:func:`working_set`), interleaved, and keeps a new one only where it is faster by
-``MARGIN``.
+``backend.compile`` (``auto``, and ``on`` on PyTorch) times each layout against the weights as
+loaded, interleaved, over the model's own layers in order, as a forward reads them
+(:func:`working_set`), and keeps a new one only where it is faster by ``MARGIN``.
 """
 
 from __future__ import annotations
@@ -30,23 +30,22 @@ MIN_SAMPLE_S = 0.005
 WORKING_SET_BYTES = 256 << 20
 
 
-def speedups(old: Callable[[], None], new: dict[str, Callable[[], None]], repeats: int = REPEATS) -> dict[str, float]:
-    """``old``'s median time over each ``new`` one's, timed interleaved (drift hits them alike).
-    Each callable must return only once its work is done."""
-    runs = {None: old, **new}
+def speedup(old: Callable[[], None], new: Callable[[], None], repeats: int = REPEATS) -> float:
+    """``old``'s median time over ``new``'s, timed interleaved (drift hits them alike). Each
+    callable must return only once its work is done."""
+    runs = (old, new)
     for _ in range(WARM_UP):
-        for run in runs.values():
+        for run in runs:
             run()
     # a sample of at least MIN_SAMPLE_S: one pass over a small model is a millisecond or two,
     # where a single timing moved the ratio by ±20 %
     loops = max(1, math.ceil(MIN_SAMPLE_S / max(_seconds(old), 1e-6)))
-    times: dict = {key: [] for key in runs}
+    times: tuple[list, list] = ([], [])
     for _ in range(repeats):
-        for key, run in runs.items():
-            times[key].append(_seconds(run, loops))
-    old_time = statistics.median(times[None])
-    return {key: old_time / statistics.median(times[key]) if statistics.median(times[key]) > 0 else float("inf")
-            for key in new}
+        for run, samples in zip(runs, times):
+            samples.append(_seconds(run, loops))
+    old_time, new_time = (statistics.median(samples) for samples in times)
+    return old_time / new_time if new_time > 0 else float("inf")
 
 
 def _seconds(fn: Callable[[], None], loops: int = 1) -> float:
