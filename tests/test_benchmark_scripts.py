@@ -1,0 +1,34 @@
+"""The fast-path benchmark scripts still run end to end (smoke size): they are not timed tests,
+but #23's figures come from them, so a script that broke would go unnoticed until a GPU run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_fast_path_benchmark_runs_and_its_arms_agree():
+    out = run("benchmarks/fast_path.py", "--backend", "torch", "--small", "--no-reference", "--pairs", "shipped,mid")
+    assert "torch / shipped" in out and "torch / mid" in out
+    assert out.count("identical tokens across arms: True") == 2, out
+
+
+@pytest.mark.slow
+def test_cpu_layouts_benchmark_prints_every_layout():
+    out = run("benchmarks/cpu_layouts.py", "--pairs", "shipped")
+    assert "shipped: 57 linear layers" in out
+    for rows in ("(1,)", "(8,)", "(1, 8)"):
+        line = next(l for l in out.splitlines() if f"rows {rows}, every layer in turn" in l)
+        assert all(f"{kind} " in line for kind in ("dense", "transposed", "packed")), line
