@@ -101,23 +101,49 @@ def test_engine_plain_greedy_takes_the_pipelined_path(engine):
     assert target.cache_length == PROMPT + NEW - 1  # cropped back: the last token is the next anchor
 
 
-def test_compile_auto_stays_eager_on_the_cpu(engine):
-    assert "eager forwards (backend.compile=auto" in engine.target.fast_path
-    assert "compiled" not in type(engine.target._inner.layers[0].module.mlp).__name__.lower()
+FULL_ATTENTION = "llama"  # the family whose whole forward compiles (static.py); the others fall back
 
 
-def test_compiled_feed_forwards_give_the_same_forwards(engine):
-    """backend.compile=on: every layer's feed-forward block runs compiled (one trace per width),
-    and plain steps, a verify block and the pipelined steps give the eager target's results."""
+def family(engine) -> str:
+    return engine.target.info.model_type
+
+
+def test_compile_auto_on_the_cpu(engine):
+    """auto compiles the whole forward on the CPU where every layer is full attention, and
+    otherwise stays eager, saying why."""
+    target = engine.target
+    if family(engine) == FULL_ATTENTION:
+        assert "whole forwards compiled" in target.fast_path
+        assert target._static is not None
+    else:
+        assert target._static is None
+        assert "eager forwards (backend.compile=auto" in target.fast_path
+        assert "whole forward not compiled: its layers' caches" in target.fast_path
+        assert "compiled" not in type(target._inner.layers[0].module.mlp).__name__.lower()
+
+
+def eager_engine(engine):
+    return speculant.load_engine(config(engine.config.target.path, compile="off"))
+
+
+def test_compiled_forwards_give_the_eager_forwards(engine):
+    """backend.compile=on: the whole forward (full attention) or every feed-forward block (the
+    others) runs compiled, and a verify block, plain steps and the pipelined steps give the
+    eager target's results, across the static cache's growth (64 rows: capacity 32, then 64)."""
     from speculant.backends.mlx.compiled import CompiledBlock
 
+    eager = eager_engine(engine)
     compiled = speculant.load_engine(config(engine.config.target.path, compile="on"))
     layers = compiled.target._inner.layers
-    assert "compiled" in compiled.target.fast_path
-    assert all(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
+    if family(engine) == FULL_ATTENTION:
+        assert compiled.target._static is not None
+        assert not any(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
+    else:
+        assert "whole forward not compiled" in compiled.target.fast_path
+        assert all(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
     ids, block = prompt(), [7, 9, 11, 13, 15]
     logits = []
-    for e in (engine, compiled):
+    for e in (eager, compiled):
         e.target.reset()
         e.target.prefill(ids)
         logits.append(np.array(e.target.forward(e.backend.int_array(block)).logits))
@@ -127,6 +153,6 @@ def test_compiled_feed_forwards_give_the_same_forwards(engine):
     first = argmax(target.prefill(ids).logits)
     got = [first] + pipelined(target, first, NEW // 2)
     got += stepwise(target, backend, got[-1], NEW - len(got) + 1)
-    engine.target.reset()
-    first = argmax(engine.target.prefill(ids).logits)
-    assert got == [first] + stepwise(engine.target, engine.backend, first, NEW)
+    eager.target.reset()
+    first = argmax(eager.target.prefill(ids).logits)
+    assert got == [first] + stepwise(eager.target, eager.backend, first, NEW)

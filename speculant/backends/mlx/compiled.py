@@ -1,22 +1,21 @@
-"""``mx.compile`` for the target's forwards, where it is correct, and the ``backend.compile`` choice.
+"""``mx.compile`` for the target's forwards, and the ``backend.compile`` choice.
 
-What can be compiled: mlx-lm's caches keep their write position as a Python int and write with
-slice assignment at it, and a compiled function bakes such ints in when it is traced (it traces
-again only for new input shapes, dtypes or non-array arguments). A compiled forward over the
-cache would therefore write every step at the first step's offset, so the attention part stays
-eager. What holds no state is each decoder layer's feed-forward block (MLP or MoE): it is
-compiled per input shape, i.e. once per verify width (1 for plain steps, ``w`` for a block), with
-the layer's weights captured as constants (a target's weights never change after loading).
-mlx-lm already compiles its activations (``swiglu``), so what is gained is the fusion of the
-projections' element-wise neighbours and fewer graph nodes per step.
+Where every layer is full attention, the whole forward is compiled over a static cache whose
+write position is an array (static.py): one trace per (width, cache capacity), and the draft step
+follows (``speculant/drafters/dflash/mlx_compiled.py``). mlx-lm's other caches (sliding windows,
+Gated DeltaNet) keep their write position as a Python int, which a trace would bake in, so there
+only each decoder layer's feed-forward block (MLP or MoE), which holds no state, can be compiled:
+once per input shape, with the layer's weights captured as constants.
 
 The choice (``backend.compile``): ``off`` never compiles; ``on`` compiles wherever it can;
-``auto`` compiles only where it was measured to pay. On the CPU (benchmarks/fast_path.py,
-docs/fast-path.md) it did not, so ``auto`` stays eager there; on Metal it has not been measured
-yet, so ``auto`` stays eager there too until it is.
+``auto`` compiles only where it was measured to pay. On the CPU the whole forward pays
+(docs/fast-path.md) and the feed-forward blocks alone did not; on Metal neither has been
+measured yet, so ``auto`` stays eager there until it is.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +24,8 @@ from speculant.backends.mlx.wrapper import Wrapper
 
 # Devices on which compiled feed-forward blocks were measured to pay (none yet: docs/fast-path.md).
 PAYS_ON: frozenset[str] = frozenset()
+# Devices on which the whole compiled forward (static.py) was measured to pay.
+WHOLE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 
 
 class CompiledBlock(Wrapper):
@@ -51,19 +52,32 @@ def feed_forwards(layers: list) -> list[tuple[nn.Module, str]]:
     return found
 
 
-def apply(layers: list, setting: str, device: str, weights: str | None = None) -> str:
+def apply(layers: list, setting: str, device: str, weights: str | None = None,
+          whole: Callable[[], tuple[bool, str]] | None = None) -> str:
     """Compile what ``setting`` asks for on ``device``; returns the ``fast_path`` description,
-    ending with ``weights`` (what was done to the weights' layout) when given."""
+    ending with ``weights`` (what was done to the weights' layout) when given. ``whole`` compiles
+    the whole forward where the target allows it (static.py) and says what it did or why not;
+    the feed-forward blocks are compiled where it could not."""
     pipelined = "plain greedy steps pipelined (async_eval)" + (f"; {weights}" if weights else "")
     if setting == "off":
         return f"mlx: eager forwards (backend.compile=off); {pipelined}"
+    if setting == "auto" and device not in WHOLE_PAYS_ON:
+        return (f"mlx: eager forwards (backend.compile=auto: compiled forwards were not measured to "
+                f"pay on {device}); {pipelined}")
+    why_not = ""
+    if whole is not None:
+        done, note = whole()
+        if done:
+            return f"mlx: whole forwards compiled (mx.compile per width and cache capacity; {note}); {pipelined}"
+        why_not = f"; whole forward not compiled: {note}"
     if setting == "auto" and device not in PAYS_ON:
         return (f"mlx: eager forwards (backend.compile=auto: compiled feed-forward blocks were not measured to "
-                f"pay on {device}); {pipelined}")
+                f"pay on {device}{why_not}); {pipelined}")
     blocks = feed_forwards(layers)
     if not blocks:
-        return f"mlx: eager forwards (no feed-forward block found to compile); {pipelined}"
+        return f"mlx: eager forwards (no feed-forward block found to compile{why_not}); {pipelined}"
     for owner, name in blocks:
         if not isinstance(owner[name], CompiledBlock):
             setattr(owner, name, CompiledBlock(owner[name]))
-    return f"mlx: feed-forward blocks of {len(blocks)}/{len(layers)} layers compiled (mx.compile per width); {pipelined}"
+    return (f"mlx: feed-forward blocks of {len(blocks)}/{len(layers)} layers compiled (mx.compile per width"
+            f"{why_not}); {pipelined}")

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from speculant.backends.mlx import compiled, families, layout
+from speculant.backends.mlx import compiled, families, layout, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
@@ -115,12 +115,13 @@ class MLXTarget(TargetModel):
         self._embed_scale = families.embed_scale(model, self._inner)
         self._logit_transform = families.logit_transform(model)
         self._length = 0
+        self._static: static.StaticForward | None = None  # the whole forward compiled (static.py)
         self.cache = self._new_cache()
         setting = getattr(getattr(backend, "config", None), "compile", "auto")
         self.transposed = False  # float32 linear weights stored [in, out] for the CPU (layout.py)
         weights = self._transpose_weights(setting)
         self._head = _output_head(model, self._inner)
-        self.fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights)
+        self.fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights, self._compile_whole)
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
@@ -148,8 +149,23 @@ class MLXTarget(TargetModel):
         count, problem = layout.transpose_linears(module)
         return f"eager: {problem}" if problem else f"eager; {count} linear layers stored transposed"
 
+    def _compile_whole(self) -> tuple[bool, str]:
+        """Compile the whole forward over a static cache where the model allows it (static.py)."""
+        forward, note = static.build(self.model, self.cache, self._recorder.start, self._recorder.finish)
+        if forward is not None:
+            self._static, self.cache = forward, forward.cache
+        return forward is not None, note
+
+    @property
+    def compiles_whole(self) -> bool:
+        """Whether the whole forward runs compiled (drafts follow: their step compiles too)."""
+        return self._static is not None
+
     # -- cache -----------------------------------------------------------------------------
     def _new_cache(self) -> list:
+        if self._static is not None:
+            self._static.reset()
+            return self._static.cache
         return target_cache(self.model, self.info.sliding_window)
 
     @property
@@ -170,7 +186,11 @@ class MLXTarget(TargetModel):
         forget_all(self.cache)
 
     # -- forwards --------------------------------------------------------------------------
-    def _run(self, ids: mx.array, capture: Capture) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    def _run(self, ids: mx.array, capture: Capture, compiled: bool = True) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        if self._static is not None:  # prompt chunks (varying widths) run eagerly
+            logits, features, final = self._static(ids[None], self._length, capture, compiled)
+            self._length += int(ids.shape[0])
+            return logits[0], features, final
         self._recorder.start(capture)
         try:
             logits = self.model(ids[None], cache=self.cache)
@@ -187,7 +207,7 @@ class MLXTarget(TargetModel):
         n = int(ids.shape[0])
         features, finals = [], []
         for start in range(0, n - 1, PREFILL_STEP):
-            _, f, h = self._run(ids[start:min(start + PREFILL_STEP, n - 1)], capture)
+            _, f, h = self._run(ids[start:min(start + PREFILL_STEP, n - 1)], capture, compiled=False)
             features.append(f)
             finals.append(h)
             mx.eval([c.state for c in self.cache] + [a for a in (f, h) if a is not None])
@@ -239,7 +259,10 @@ class MLXTarget(TargetModel):
         for c in self.cache:
             if isinstance(c, DeltaCache):
                 c.keep_step_undo()
-        logits = self.model(token[None], cache=self.cache)[0]
+        if self._static is not None:
+            logits = self._static(token[None], self._length, Capture())[0][0]
+        else:
+            logits = self.model(token[None], cache=self.cache)[0]
         self._length += 1
         return mx.argmax(logits, axis=-1).astype(mx.int32), mx.max(logits)
 
