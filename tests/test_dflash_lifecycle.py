@@ -19,7 +19,11 @@ PROMPT = [5, 6, 7]  # drafts with rejections and whole acceptances on the plante
 
 
 def engine(kind, pair, draft):
-    return speculant.load_engine({"backend": {"kind": kind, "device": "cpu", "dtype": "float32"},
+    """A PyTorch engine (eager on a CPU under auto), an MLX one with the eager draft step whose
+    context cache the tests read, or (``mlx compiled``) the MLX draft step compiled."""
+    compile = "auto" if kind == "mlx compiled" else "off" if kind == "mlx" else "auto"
+    kind = kind.split()[0]
+    return speculant.load_engine({"backend": {"kind": kind, "device": "cpu", "dtype": "float32", "compile": compile},
                                   "target": {"path": str(pair["target"])},
                                   "drafter": {"kind": "dflash", "path": str(pair[draft])}})
 
@@ -27,7 +31,7 @@ def engine(kind, pair, draft):
 @pytest.fixture(scope="module")
 def engines(planted_pair):
     return {(kind, draft): engine(kind, planted_pair, draft)
-            for kind in ("torch", "mlx") for draft in ("draft", "draft_swa")}
+            for kind in ("torch", "mlx", "mlx compiled") for draft in ("draft", "draft_swa")}
 
 
 def recording(eng, **kwargs):
@@ -73,6 +77,12 @@ def test_torch_and_mlx_propose_the_same_blocks_and_keep_the_same_context(engines
     layers = range(len(t.net.windows))
     assert [t.net.cache.starts[i] for i in layers] == [m.net.cache.starts[i] for i in layers]
     assert [t.net.cache.length(i) for i in layers] == [m.net.cache.length(i) for i in layers]
+    compiled = engines["mlx compiled", draft]
+    assert compiled.drafter.net.compiled is not None
+    on_compiled, compiled_props, compiled_hidden = recording(compiled, **kwargs)
+    assert compiled_props == torch_props and on_compiled.token_ids == on_torch.token_ids
+    for c_rows, t_rows in zip(compiled_hidden, torch_hidden, strict=True):
+        np.testing.assert_allclose(c_rows, t_rows, rtol=1e-4, atol=1e-4)
 
 
 def test_skipping_rows_no_layer_sees_changes_no_proposal(engines, planted_pair):

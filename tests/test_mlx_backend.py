@@ -254,7 +254,8 @@ def test_llama_target_matches_torch_and_stays_lossless(llama_pair):
 
 
 def test_sliding_draft_layers_keep_window_minus_one_context_rows(planted_pair):
-    e = speculant.load_engine({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32"},
+    """The eager draft step's context cache (the compiled step's ring: test_static_cache_mlx.py)."""
+    e = speculant.load_engine({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32", "compile": "off"},
                                       "target": {"path": str(planted_pair["target"])},
                                       "drafter": {"kind": "dflash", "path": str(planted_pair["draft_swa"])}})
     e.run(prompt_ids=list(range(20, 52)), max_new_tokens=20, block_size=4, ignore_eos=True)

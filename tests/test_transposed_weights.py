@@ -80,7 +80,7 @@ def test_transposing_measured_no_faster_keeps_the_layers_as_loaded(planted_pair,
     eng = engine(planted_pair["target"], "auto", planted_pair["draft"])
     assert "measured no faster than the layout as loaded on this CPU (0.98x)" in eng.target.fast_path
     assert layers(eng.target.model, TransposedLinear) == [] and not eng.target.transposed
-    assert eng.drafter.net.fast_path == "eager"
+    assert "transposed" not in eng.drafter.net.fast_path
     on = engine(planted_pair["target"], "on")  # 'on' does not ask the clock
     assert on.target.transposed and layers(on.target.model, TransposedLinear)
 

@@ -41,13 +41,8 @@ import types
 
 import torch
 
+from speculant.drafters.dflash.context import FIRST_ROWS, padded
 from speculant.drafters.dflash.visibility import keep_by_distance
-
-FIRST_ROWS = 256
-
-
-def padded(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 class StaticSlot:

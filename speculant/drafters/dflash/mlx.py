@@ -132,17 +132,34 @@ class MLXDFlashNetwork:
         self.fast_path = target.prepare_draft(model) or "eager"  # transposed weights where the target's are
         self.windows = [layer.window for layer in model.layers]
         self.cache = ContextCache(self.windows, allocate)
+        self.compiled = None  # a CompiledDraft (mlx_compiled.py) once compile_step is called
+
+    def compile_step(self, block: int) -> None:
+        """Run the draft step compiled (mlx_compiled.py), for blocks of ``block`` tokens."""
+        from speculant.drafters.dflash.mlx_compiled import CompiledDraft
+
+        self.compiled = CompiledDraft(self.model, block)
+        self.fast_path = f"compiled draft step (mx.compile per context bucket; block {block})" + \
+            ("" if self.fast_path == "eager" else f"; {self.fast_path.removeprefix('eager; ')}")
 
     def reset(self) -> None:
         self.cache = ContextCache(self.windows, allocate)
+        if self.compiled is not None:
+            self.compiled = type(self.compiled)(self.model, self.compiled.block)
+
+    def cache_arrays(self) -> list[mx.array]:
+        """Every buffer the last step wrote (MLX schedules their pending writes with a draft)."""
+        return self.cache.arrays() if self.compiled is None else self.compiled.arrays()
 
     def hidden(self, features: mx.array, context_start: int, block_ids: mx.array, position: int) -> mx.array:
         m, cfg, cache = self.model, self.cfg, self.cache
-        ctx = m.project_context(features.astype(self.dtype))[None]
-        n_ctx, q_len = ctx.shape[1], block_ids.shape[0]
         x = self.target.embed(block_ids).astype(self.dtype)[None]
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
+        if self.compiled is not None:
+            return self.compiled.hidden(features.astype(self.dtype), context_start, x[0], position)
+        ctx = m.project_context(features.astype(self.dtype))[None]
+        n_ctx, q_len = ctx.shape[1], block_ids.shape[0]
         ctx_end = context_start + n_ctx
         masks: dict = {}
         for i, layer in enumerate(m.layers):
@@ -163,7 +180,7 @@ class MLXDFlashNetwork:
 
     def launch(self, tokens: mx.array) -> None:
         """Nothing leaves the device: the target's verify forward consumes the lazy ids."""
-        mx.async_eval(tokens, *self.cache.arrays())
+        mx.async_eval(tokens, *self.cache_arrays())
 
 
 def allocate(like: mx.array, rows: int) -> mx.array:
@@ -212,7 +229,14 @@ def load_mlx_drafter(config, info: DrafterInfo, backend, target) -> DFlashDrafte
         quantization.quantize_mlx(model, q, quantization.exclude_for(info, q))
     model.eval()
     mx.eval(model.parameters())
-    return DFlashDrafter(MLXDFlashNetwork(model, target, dtype), info, backend)
+    return DFlashDrafter(follow_target(MLXDFlashNetwork(model, target, dtype), config, info, target), info, backend)
+
+
+def follow_target(network: MLXDFlashNetwork, config, info: DrafterInfo, target) -> MLXDFlashNetwork:
+    """Run the draft step compiled where the target's whole forward is (static.py)."""
+    if getattr(target, "compiles_whole", False):
+        network.compile_step(config.block_size or info.default_block_size or info.trained_block_size or 2)
+    return network
 
 
 def _dtype_name(dtype) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 
 from speculant.core.types import DrafterInfo
 from speculant.drafters.dflash.config import DFlashConfig
-from speculant.drafters.dflash.mlx import DecoderLayer, DFlashModel, MLXDFlashNetwork
+from speculant.drafters.dflash.mlx import DecoderLayer, DFlashModel, MLXDFlashNetwork, follow_target
 from speculant.drafters.dflash2.drafter import DFlash2Drafter
 
 
@@ -126,7 +126,7 @@ class MLXDFlash2Network(MLXDFlashNetwork):
     def score_table(self, hidden: mx.array, logits: mx.array, anchor_id: int) -> tuple[np.ndarray, mx.array]:
         scores, candidates = self.model.candidate_selector.score_table(hidden, logits, anchor_id)
         flat = mx.concatenate([scores, candidates.reshape(-1).astype(mx.float32)])
-        mx.eval(flat, candidates, *self.cache.arrays())  # one host read per round, caches included
+        mx.eval(flat, candidates, *self.cache_arrays())  # one host read per round, caches included
         return np.array(flat), candidates
 
 
@@ -154,4 +154,4 @@ def load_mlx_dflash2(config, info: DrafterInfo, backend, target) -> DFlash2Draft
         quantization.quantize_mlx(model, q, quantization.exclude_for(info, q))
     model.eval()
     mx.eval(model.parameters())
-    return DFlash2Drafter(MLXDFlash2Network(model, target, dtype), info, backend)
+    return DFlash2Drafter(follow_target(MLXDFlash2Network(model, target, dtype), config, info, target), info, backend)

@@ -1,0 +1,182 @@
+"""The MLX target's whole forward compiled over a static cache (speculant/backends/mlx/static.py):
+DFlash speculation over it gives the eager target's plain greedy tokens and acceptance lengths,
+rolls back across rejected blocks and buffer growth, starts each request with small buffers, and
+a target whose forward differs over these buffers is caught at load and stays eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import speculant
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.mlx
+
+PROMPT = 40
+NEW = 90  # the cache grows past 32, 64, 96 and 128 rows
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The shipped pair: a trained draft whose blocks its target partly accepts, partly rejects."""
+    from speculant.embedded import PAIR_DIR
+
+    return PAIR_DIR / "target", PAIR_DIR / "dflash"
+
+
+def engine(pair, compile: str, drafter: bool = True, ahead: str = "auto"):
+    target, draft = pair
+    config = {"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32", "compile": compile,
+                          "draft_ahead": ahead},
+              "target": {"path": str(target)}}
+    if drafter:
+        config["drafter"] = {"kind": "dflash", "path": str(draft), "block_size": 8}
+    return speculant.load_engine(config)
+
+
+def prompt() -> list[int]:
+    from speculant.embedded import PAIR_DIR
+    from speculant.training.command import corpus_prompts
+
+    return corpus_prompts(PAIR_DIR / "target", 1, PROMPT, seed=1234, held_out=True)[0].tolist()
+
+
+def test_capacity_steps():
+    from speculant.core.buffers import STEP, capacity_for
+
+    for rows in range(1, 5000, 7):
+        capacity = capacity_for(rows)
+        assert capacity >= rows and capacity % STEP == 0
+        assert capacity - rows < max(STEP, rows / 8 + 1)
+    assert len({capacity_for(rows) for rows in range(1, 4097)}) < 60  # traces per width, to 4096 rows
+
+
+def test_speculation_over_the_static_cache_is_lossless(pair):
+    compiled, eager = engine(pair, "on"), engine(pair, "off")
+    assert compiled.target._static is not None and eager.target._static is None
+    ids = prompt()
+    plain = eager.without_drafter().run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    fast = compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    slow = eager.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+    assert fast.token_ids == plain.token_ids == slow.token_ids
+    assert fast.stats.mean_acceptance_length == slow.stats.mean_acceptance_length
+    assert 1.2 < fast.stats.mean_acceptance_length < 7.5  # blocks both accepted and rejected
+    assert compiled.target._static.cache[0].capacity >= PROMPT + NEW
+
+
+def test_a_new_request_starts_with_small_buffers(pair):
+    compiled = engine(pair, "on", drafter=False)
+    target = compiled.target
+    compiled.run(prompt_ids=prompt(), max_new_tokens=NEW, ignore_eos=True)
+    assert target._static.cache[0].capacity >= PROMPT + NEW
+    short = compiled.run(prompt_ids=prompt()[:5], max_new_tokens=3, ignore_eos=True)
+    assert target._static.cache[0].capacity == 32
+    again = engine(pair, "off", drafter=False).run(prompt_ids=prompt()[:5], max_new_tokens=3, ignore_eos=True)
+    assert short.token_ids == again.token_ids
+
+
+def test_a_forward_that_differs_is_caught_at_load(pair, monkeypatch):
+    """A model that attended over rows past the offset (its own mask, say) would read stale rows:
+    the load-time check compares against mlx-lm's cache and keeps the target eager."""
+    import mlx.core as mx
+
+    from speculant.backends.mlx.static import StaticKVCache
+
+    monkeypatch.setattr(StaticKVCache, "make_mask", lambda self, n, **_: mx.ones((n, self.capacity), dtype=mx.bool_))
+    target = engine(pair, "on", drafter=False).target
+    assert target._static is None
+    assert "whole forward not compiled: a compiled forward differed from mlx-lm's cache" in target.fast_path
+
+
+# -- the draft step compiled with the target (speculant/drafters/dflash/mlx_compiled.py) ----------
+
+def test_the_draft_step_follows_the_target(pair):
+    assert "compiled draft step" in engine(pair, "on").drafter.fast_path
+    assert engine(pair, "off").drafter.net.compiled is None
+
+
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_a_sliding_draft_wraps_its_ring_losslessly(pair, ahead):
+    """The shipped draft's layers all slide (window 256): past 271 positions its compiled step
+    writes round a ring; tokens and acceptance lengths equal the eager draft's."""
+    from speculant.embedded import PAIR_DIR
+    from speculant.training.command import corpus_prompts
+
+    ids = corpus_prompts(PAIR_DIR / "target", 1, 300, seed=99, held_out=True)[0].tolist()
+    results = []
+    for compile in ("on", "off"):
+        e = engine(pair, compile, ahead=ahead)
+        results.append(e.run(prompt_ids=ids, max_new_tokens=60, ignore_eos=True))
+        if compile == "on":
+            compiled = e.drafter.net.compiled
+            assert compiled.rows == compiled.ring == 255 + 2 * 8
+    assert results[0].token_ids == results[1].token_ids
+    assert results[0].stats.acceptance_lengths == results[1].stats.acceptance_lengths
+    assert (results[0].stats.drafts_ahead > 0) == (ahead == "on")
+
+
+def test_a_full_attention_draft_grows_its_buffers_losslessly(tmp_path):
+    """A planted pair whose draft layers attend to every context row: blocks are mostly accepted,
+    so a compiled draft that proposed anything else would lose acceptance."""
+    from speculant.testing.tiny import build_tiny_dflash, build_tiny_target, plant_checkpoint
+
+    target = build_tiny_target(tmp_path / "target", seed=0, hidden_size=64, num_layers=4,
+                               max_position_embeddings=4096)
+    plant_checkpoint(target, strength=4.0, soften=0.2)
+    draft = build_tiny_dflash(tmp_path / "draft", target, seed=7, num_layers=2, block_size=8, scale=0.1)
+    ids = [10 + i % 200 for i in range(20)]
+    results = []
+    for compile in ("on", "off"):
+        e = engine((target, draft), compile)
+        results.append(e.run(prompt_ids=ids, max_new_tokens=300, ignore_eos=True))
+        if compile == "on":
+            assert e.drafter.net.compiled.ring is None and e.drafter.net.compiled.rows >= 320
+    assert results[0].token_ids == results[1].token_ids
+    assert results[0].stats.acceptance_lengths == results[1].stats.acceptance_lengths
+    assert results[0].stats.mean_acceptance_length > 6
+
+
+@pytest.mark.parametrize("kind", ["sliding", "full"])
+def test_compiled_draft_hidden_states_equal_the_eager_ones(pair, tmp_path, kind):
+    """Cycle by cycle (a prompt, then 1 .. 8 accepted rows a cycle), the compiled step's draft
+    hidden states equal the eager step's: no unwritten, stale or out-of-window row is read.
+    The shipped draft slides (its ring wraps after 271 positions); a tiny one attends to all."""
+    import mlx.core as mx
+
+    from speculant.testing.tiny import build_tiny_dflash
+
+    if kind == "full":
+        pair = (pair[0], build_tiny_dflash(tmp_path / "draft", pair[0], seed=7, num_layers=2, block_size=8))
+    nets = [engine(pair, compile).drafter.net for compile in ("on", "off")]
+    assert nets[0].compiled is not None and nets[1].compiled is None
+    width = len(nets[0].cfg.target_layer_ids) * nets[0].cfg.hidden_size
+    rng = np.random.default_rng(5)
+    context, prompt_rows = 0, 260
+    for accepted in [prompt_rows, 3, 8, 1, 5, 2, 8, 8, 4, 7, 6, 8, 8, 1]:
+        features = mx.array(rng.standard_normal((accepted, width)).astype(np.float32))
+        ids = mx.array([int(rng.integers(5, 200))] + [nets[0].cfg.mask_token_id] * 7, dtype=mx.int32)
+        got, want = (np.array(net.hidden(features, context, ids, context + accepted)) for net in nets)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        context += accepted
+    assert context > 271
+
+
+def test_forwards_write_the_buffers_in_place(pair):
+    """Nothing keeps the old buffers alive while a step is evaluated, so MLX donates them to
+    ``slice_update``: a kept reference would copy every layer's cache at every step."""
+    import mlx.core as mx
+
+    def address(a) -> int:
+        view = np.array(a, copy=False)
+        return view.__array_interface__["data"][0]
+
+    target = engine(pair, "on", drafter=False).target
+    target.reset()
+    mx.eval(target.prefill(prompt()).logits)
+    for _ in range(3):
+        before = [address(c.keys) for c in target.cache]
+        mx.eval(target.forward(mx.array([5, 6, 7], dtype=mx.int32)).logits)
+        assert [address(c.keys) for c in target.cache] == before
+        target.crop(target.cache_length - 1)
