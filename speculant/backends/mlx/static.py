@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from speculant.backends.mlx import threads
 from speculant.core.buffers import capacity_for
 from speculant.core.types import Capture
 
@@ -97,6 +98,7 @@ class StaticForward:
 
     def __call__(self, ids: mx.array, offset: int, capture: Capture, compiled: bool = True):
         """Logits [1, n, vocab] and the captured (features, final) of ``ids`` [1, n] at ``offset``."""
+        threads.register()
         need = offset + int(ids.shape[1])
         if need > self.cache[0].capacity:
             for c in self.cache:
