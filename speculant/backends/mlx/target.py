@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from speculant.backends.mlx import compiled, families, layout, static
+from speculant.backends.mlx import compiled, families, layout, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
@@ -119,6 +119,7 @@ class MLXTarget(TargetModel):
         self.cache = self._new_cache()
         setting = getattr(getattr(backend, "config", None), "compile", "auto")
         self.transposed = False  # float32 linear weights stored [in, out] for the CPU (layout.py)
+        self.products_split = False  # their products split over the cores (split.py)
         weights = self._transpose_weights(setting)
         self._head = _output_head(model, self._inner)
         self.fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights, self._compile_whole)
@@ -141,13 +142,18 @@ class MLXTarget(TargetModel):
             return f"linear weights as loaded ({problem})"
         self.transposed = True
         tied = _output_head(self.model) is None and layout.transpose_tied_head(self._inner)
-        return f"{count} linear layers{' and the tied head' if tied else ''} stored transposed for the CPU's matmul"
+        note = f"{count} linear layers{' and the tied head' if tied else ''} stored transposed for the CPU's matmul"
+        self.products_split, split_note = split.split_linears(self.model, self._inner, measure=setting == "auto")
+        return f"{note}; {split_note}" if split_note else note
 
     def prepare_draft(self, module) -> str | None:
         if not self.transposed:
             return None
         count, problem = layout.transpose_linears(module)
-        return f"eager: {problem}" if problem else f"eager; {count} linear layers stored transposed"
+        if problem:
+            return f"eager: {problem}"
+        split_note = split.split_linears(module)[1] if self.products_split else None
+        return f"eager; {count} linear layers stored transposed" + (f"; {split_note}" if split_note else "")
 
     def _compile_whole(self) -> tuple[bool, str]:
         """Compile the whole forward over a static cache where the model allows it (static.py)."""
