@@ -79,6 +79,8 @@ def _interrupt_inside_the_target(target, at: int):
 
         handle = decoder_parts(target.model)[1][0].register_forward_pre_hook(lambda *_: stop.tick())
         return handle.remove
+    if target.compiles_whole:  # no Python runs inside a compiled forward: Ctrl-C lands at its call
+        return _interrupt_the_compiled_forward(target, stop)
     import mlx.nn as nn
 
     from speculant.backends.mlx.target import text_model
@@ -107,6 +109,21 @@ def _interrupt_inside_the_target(target, at: int):
         layers[0] = first
 
     return undo
+
+
+def _interrupt_the_compiled_forward(target, stop: _Interrupter):
+    compiled = target._static
+
+    class Interrupting:
+        def __call__(self, *args, **kwargs):
+            stop.tick()
+            return compiled(*args, **kwargs)
+
+        def __getattr__(self, key):
+            return getattr(compiled, key)
+
+    target._static = Interrupting()
+    return lambda: setattr(target, "_static", compiled)
 
 
 def _interrupt_in_the_drafter(engine, method: str, at: int, after: bool):
