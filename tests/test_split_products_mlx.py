@@ -68,11 +68,35 @@ def test_auto_keeps_layers_whole_where_splitting_measured_no_faster(monkeypatch)
     from speculant.backends.mlx.split import SplitLinear
 
     monkeypatch.setattr(split, "usable_cores", lambda: 2)
-    monkeypatch.setattr(split, "measured_speedup", lambda layers, parts: 0.97)
+    monkeypatch.setattr(split, "measured_speedups", lambda layers, parts: {1: 1.4, 8: 0.97})
     e = engine("auto")
     assert "products split over 2 cores measured no faster (0.97x)" in e.target.fast_path
-    assert not e.target.products_split and "split" not in e.drafter.fast_path
+    assert e.target.split_rows is None and "split" not in e.drafter.fast_path
     assert not any(isinstance(m, SplitLinear) for _, m in e.target.model.named_modules())
+
+
+def test_one_row_products_stay_whole_where_only_blocks_pay(monkeypatch):
+    """Split products for verify blocks, one-row steps in turn on one stream: the same results."""
+    import mlx.core as mx
+
+    from speculant.backends.mlx import split
+    from speculant.backends.mlx.split import SplitLinear
+
+    monkeypatch.setattr(split, "usable_cores", lambda: 2)
+    monkeypatch.setattr(split, "measured_speedups", lambda layers, parts: {1: 0.9, 8: 1.3})
+    e = engine("auto")
+    assert e.target.split_rows == 2 and "one-row products whole (split measured 0.90x)" in e.target.fast_path
+    layers = [m for _, m in e.target.model.named_modules() if isinstance(m, SplitLinear)]
+    drafts = [m for _, m in e.drafter.model.named_modules() if isinstance(m, SplitLinear)]
+    assert layers and all(m.split_rows == 2 for m in layers + drafts)
+    for rows in (1, 8):
+        x = mx.random.normal((rows, layers[0].blocks[0].shape[0]), key=mx.random.key(rows))
+        whole = x @ layers[0].weight_t
+        np.testing.assert_allclose(np.array(layers[0](x)), np.array(whole), rtol=1e-6, atol=1e-6)
+    ids = list(range(10, 60))
+    plain = engine("off").without_drafter().run(prompt_ids=ids, max_new_tokens=40, ignore_eos=True)
+    assert e.run(prompt_ids=ids, max_new_tokens=40, ignore_eos=True).token_ids == plain.token_ids
+    assert e.without_drafter().run(prompt_ids=ids, max_new_tokens=40, ignore_eos=True).token_ids == plain.token_ids
 
 
 def test_one_core_leaves_products_whole(monkeypatch):
@@ -80,4 +104,4 @@ def test_one_core_leaves_products_whole(monkeypatch):
 
     monkeypatch.setattr(split, "usable_cores", lambda: 1)
     e = engine("on")
-    assert "split" not in e.target.fast_path and not e.target.products_split
+    assert "split" not in e.target.fast_path and e.target.split_rows is None

@@ -8,7 +8,9 @@ dot product as before, so the results are those of the unsplit layer (checked at
 
 It pays only where a core is free and a product is large enough to outweigh the streams'
 synchronisation, so the target's ``auto`` times it over its own layers at load, as the layouts
-are timed, and layers smaller than :data:`MIN_ELEMENTS` weights are left whole. Streams are
+are timed, for a verify block's rows and for one row apart (one-row products of small layers
+lost 13 % of a plain step on the shipped pair, split), and layers smaller than
+:data:`MIN_ELEMENTS` weights are left whole. Streams are
 per thread (``mx.new_thread_local_stream``), so an engine serves any thread.
 """
 
@@ -21,11 +23,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from speculant.backends.mlx.layout import CHECK_TOLERANCE, MEASURED_ROWS, TransposedLinear, TransposedTiedEmbedding
+from speculant.backends.mlx.layout import CHECK_TOLERANCE, TransposedLinear, TransposedTiedEmbedding
 from speculant.core import timing
 
 MAX_PARTS = 4  # streams a product is split over at most
 MIN_ELEMENTS = 1 << 16  # smaller layers stay whole: their products cost less than the streams' sync
+BLOCK_ROWS = 8  # the rows of a verify block, as the split is timed
 
 
 def usable_cores() -> int:
@@ -50,12 +53,22 @@ def split_product(x: mx.array, blocks: list[mx.array]) -> mx.array:
     return mx.concatenate(outs, axis=-1)
 
 
-class SplitLinear(nn.Module):
-    """A :class:`TransposedLinear` whose weight is kept in column blocks, multiplied at once."""
+def product(x: mx.array, blocks: list[mx.array], split_rows: int) -> mx.array:
+    """``split_product`` for products of at least ``split_rows`` rows; smaller ones run the blocks
+    in turn on the default stream (where the streams' synchronisation outweighs the split)."""
+    if x.size // x.shape[-1] >= split_rows:
+        return split_product(x, blocks)
+    return mx.concatenate([x @ b for b in blocks], axis=-1)
 
-    def __init__(self, layer: TransposedLinear, parts: int) -> None:
+
+class SplitLinear(nn.Module):
+    """A :class:`TransposedLinear` whose weight is kept in column blocks, multiplied at once for
+    products of at least ``split_rows`` rows."""
+
+    def __init__(self, layer: TransposedLinear, parts: int, split_rows: int = 1) -> None:
         super().__init__()
         self.blocks = column_blocks(layer.weight_t, parts)
+        self.split_rows = split_rows
         if "bias" in layer:
             self.bias = layer.bias
 
@@ -68,7 +81,7 @@ class SplitLinear(nn.Module):
         return self.weight_t.T
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = split_product(x, self.blocks)
+        y = product(x, self.blocks, self.split_rows)
         return y + self.bias if "bias" in self else y
 
     def to_linear(self) -> nn.Linear:
@@ -78,58 +91,75 @@ class SplitLinear(nn.Module):
 class SplitTiedEmbedding(TransposedTiedEmbedding):
     """A tied head over a transposed copy of the table kept in column blocks."""
 
-    def __init__(self, tied: TransposedTiedEmbedding, parts: int) -> None:
+    def __init__(self, tied: TransposedTiedEmbedding, parts: int, split_rows: int) -> None:
         nn.Module.__init__(self)
         self.module = tied.module
         self.blocks = column_blocks(tied.weight_t, parts)
+        self.split_rows = split_rows
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return split_product(x, self.blocks)
+        return product(x, self.blocks, self.split_rows)
 
 
-def split_linears(model: nn.Module, inner: nn.Module | None = None, measure: bool = False) -> tuple[bool, str | None]:
+def split_linears(model: nn.Module, inner: nn.Module | None = None, measure: bool = False,
+                  split_rows: int = 1) -> tuple[int | None, str | None]:
     """Split ``model``'s large :class:`TransposedLinear` layers (and ``inner``'s transposed tied
-    head) over the usable cores; with ``measure``, only if measured faster here. Returns whether
-    it did, and what was done or why not for ``fast_path`` (None: nothing to say)."""
+    head) over the usable cores, for products of at least ``split_rows`` rows. With ``measure``,
+    only if a verify block's products are measured faster split, and one-row products too only if
+    they are (else ``split_rows`` is 2). Returns the ``split_rows`` used (None: not split) and what
+    was done or why not, for ``fast_path`` (None: nothing to say)."""
     parts = min(usable_cores(), MAX_PARTS)
     found = {path: layer for path, layer in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
              if type(layer) is TransposedLinear and layer.weight_t.size >= MIN_ELEMENTS}
     if parts < 2 or not found:
-        return False, None
+        return None, None
+    one_row = ""
     if measure:
-        gain = measured_speedup(list(found.values()), parts)
-        if not gain >= timing.MARGIN:
-            return False, f"products split over {parts} cores measured no faster ({gain:.2f}x)"
+        gains = measured_speedups(list(found.values()), parts)
+        if not gains[BLOCK_ROWS] >= timing.MARGIN:
+            return None, f"products split over {parts} cores measured no faster ({gains[BLOCK_ROWS]:.2f}x)"
+        split_rows = 1 if gains[1] >= timing.MARGIN else 2
+        one_row = "" if split_rows == 1 else f"; one-row products whole (split measured {gains[1]:.2f}x)"
     done = []
     for path in list(found):
         whole = found.pop(path)  # the whole weight goes once its blocks replace it
-        layer = SplitLinear(whole, parts)
+        layer = SplitLinear(whole, parts, split_rows)
         error = _relative_error(whole, layer)
         if not error <= CHECK_TOLERANCE:  # also catches NaN
             model.update_modules(tree_unflatten([(p, TransposedLinear(d.to_linear())) for p, d in done]))
-            return False, f"products left whole: {path}'s split product is {error:.2g} off (relative)"
+            return None, f"products left whole: {path}'s split product is {error:.2g} off (relative)"
         model.update_modules(tree_unflatten([(path, layer)]))
         done.append((path, layer))
     head = inner is not None and isinstance(inner.embed_tokens, TransposedTiedEmbedding)
     if head:
-        inner.embed_tokens = SplitTiedEmbedding(inner.embed_tokens, parts)
+        inner.embed_tokens = SplitTiedEmbedding(inner.embed_tokens, parts, split_rows)
         mx.eval(inner.embed_tokens.blocks)
-    return True, f"products of {len(done)} layers{' and the head' if head else ''} split over {parts} cores"
+    return split_rows, f"products of {len(done)} layers{' and the head' if head else ''} split over {parts} cores{one_row}"
 
 
-def measured_speedup(layers: list[TransposedLinear], parts: int) -> float:
-    """Time whole over time split, over ``layers`` in order up to the working set, on a plain
-    step's row and a verify block's (core/timing.py)."""
+def measured_speedups(layers: list[TransposedLinear], parts: int) -> dict[int, float]:
+    """Time whole over time split, over ``layers`` in order up to the working set, for a plain
+    step's row and for a verify block's, each on its own (core/timing.py)."""
     sample = timing.working_set(layers, lambda layer: layer.weight_t.nbytes)
     split = [SplitLinear(layer, parts) for layer in sample]
-    xs = [[mx.random.normal((rows, layer.weight_t.shape[0]), key=mx.random.key(rows)) for rows in MEASURED_ROWS]
-          for layer in sample]
-    mx.eval(xs, [layer.blocks for layer in split])
+    mx.eval([layer.blocks for layer in split])
+    gains = {}
+    for rows in (1, BLOCK_ROWS):
+        xs = [mx.random.normal((rows, layer.weight_t.shape[0]), key=mx.random.key(rows)) for layer in sample]
+        mx.eval(xs)
+        gains[rows] = timing.speedup(_chained(sample, xs), _chained(split, xs))
+    return gains
 
-    def run(group):
-        return lambda: mx.eval([layer(x) for layer, inputs in zip(group, xs) for x in inputs])
 
-    return timing.speedup(run(sample), run(split))
+def _chained(layers: list, xs: list[mx.array]):
+    """The products one after another, as in a forward: each input waits for the last output
+    (independent products would overlap on the streams and flatter the split)."""
+    def run() -> None:
+        wait = mx.array(0.0)
+        for layer, x in zip(layers, xs):
+            wait = layer(x + wait)[0, 0] * 0.0
+        mx.eval(wait)
+    return run
 
 
 def _relative_error(whole: TransposedLinear, split: SplitLinear) -> float:

@@ -119,7 +119,7 @@ class MLXTarget(TargetModel):
         self.cache = self._new_cache()
         setting = getattr(getattr(backend, "config", None), "compile", "auto")
         self.transposed = False  # float32 linear weights stored [in, out] for the CPU (layout.py)
-        self.products_split = False  # their products split over the cores (split.py)
+        self.split_rows: int | None = None  # their products split over the cores from so many rows (split.py)
         weights = self._transpose_weights(setting)
         self._head = _output_head(model, self._inner)
         self.fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights, self._compile_whole)
@@ -143,7 +143,7 @@ class MLXTarget(TargetModel):
         self.transposed = True
         tied = _output_head(self.model) is None and layout.transpose_tied_head(self._inner)
         note = f"{count} linear layers{' and the tied head' if tied else ''} stored transposed for the CPU's matmul"
-        self.products_split, split_note = split.split_linears(self.model, self._inner, measure=setting == "auto")
+        self.split_rows, split_note = split.split_linears(self.model, self._inner, measure=setting == "auto")
         return f"{note}; {split_note}" if split_note else note
 
     def prepare_draft(self, module) -> str | None:
@@ -152,7 +152,7 @@ class MLXTarget(TargetModel):
         count, problem = layout.transpose_linears(module)
         if problem:
             return f"eager: {problem}"
-        split_note = split.split_linears(module)[1] if self.products_split else None
+        split_note = split.split_linears(module, split_rows=self.split_rows)[1] if self.split_rows else None
         return f"eager; {count} linear layers stored transposed" + (f"; {split_note}" if split_note else "")
 
     def _compile_whole(self) -> tuple[bool, str]:
