@@ -97,6 +97,17 @@ def test_the_draft_step_follows_the_target(pair):
     assert engine(pair, "off").drafter.net.compiled is None
 
 
+def test_a_new_request_keeps_the_draft_traces(pair):
+    """reset drops the compiled draft's buffers, not its compiled function (its traces)."""
+    e = engine(pair, "on")
+    compiled = e.drafter.net.compiled
+    step = compiled._compiled
+    e.run(prompt_ids=prompt(), max_new_tokens=20, ignore_eos=True)
+    assert compiled.rows > 0
+    e.drafter.net.reset()
+    assert e.drafter.net.compiled is compiled and compiled._compiled is step and compiled.rows == 0
+
+
 @pytest.mark.parametrize("ahead", ["off", "on"])
 def test_a_sliding_draft_wraps_its_ring_losslessly(pair, ahead):
     """The shipped draft's layers all slide (window 256): past 271 positions its compiled step

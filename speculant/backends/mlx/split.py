@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from speculant.backends.mlx.layout import CHECK_TOLERANCE, TransposedLinear, TransposedTiedEmbedding
+from speculant.backends.mlx.layout import CHECK_TOLERANCE, TransposedLinear, TransposedTiedEmbedding, relative_error
 from speculant.core import timing
 
 MAX_PARTS = 4  # streams a product is split over at most
@@ -164,6 +164,4 @@ def _chained(layers: list, xs: list[mx.array]):
 
 def _relative_error(whole: TransposedLinear, split: SplitLinear) -> float:
     x = mx.random.normal((3, whole.weight_t.shape[0]), key=mx.random.key(0))
-    want = whole(x)
-    scale = mx.abs(want).max().item() or 1.0
-    return mx.abs(split(x) - want).max().item() / scale
+    return relative_error(whole(x), split(x))

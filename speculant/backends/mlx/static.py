@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from speculant.backends.mlx import threads
+from speculant.backends.mlx.layout import relative_error
 from speculant.core.buffers import capacity_for
 from speculant.core.types import Capture
 
@@ -165,8 +166,7 @@ def check(model: nn.Module, forward: StaticForward) -> str | None:
     except Exception as error:  # a model whose attention code cannot run over array offsets
         return f"a compiled forward failed: {type(error).__name__}: {error}"
     for want, have in zip(expected, got):
-        scale = max(mx.abs(want).max().item(), 1e-6)
-        error = mx.abs(want - have).max().item() / scale
+        error = relative_error(want, have)
         if not error <= CHECK_TOLERANCE:
             return f"a compiled forward differed from mlx-lm's cache by {error:.1e} (relative) at load"
     return None

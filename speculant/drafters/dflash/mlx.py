@@ -145,7 +145,7 @@ class MLXDFlashNetwork:
     def reset(self) -> None:
         self.cache = ContextCache(self.windows, allocate)
         if self.compiled is not None:
-            self.compiled = type(self.compiled)(self.model, self.compiled.block)
+            self.compiled.reset()
 
     def cache_arrays(self) -> list[mx.array]:
         """Every buffer the last step wrote (MLX schedules their pending writes with a draft)."""

@@ -65,6 +65,10 @@ class CompiledDraft:
         self.key_positions: mx.array | None = None  # each row's position (FAR: never written)
         self._compiled = mx.compile(self._step)
 
+    def reset(self) -> None:
+        """Drop the buffers (a new request); the traces stay, keyed by shape."""
+        self.keys, self.values, self.key_positions = [], [], None
+
     @property
     def rows(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
