@@ -4,6 +4,7 @@ decoding, on identical weights and prompts, interleaved in one process.
     python benchmarks/fast_path.py [--backend mlx[,torch]] [--device cpu] [--dtype float32]
                                    [--repeats 3] [--max-new-tokens 32] [--block-size 8]
                                    [--pairs shipped,mid] [--hidden 1024] [--layers 8]
+                                   [--family qwen3] [--sliding-window 128]
                                    [--compile auto|on|off[,...]] [--verifier auto[,adaptive]]
                                    [--draft-ahead auto[,off,on]] [--no-reference] [--small]
 
@@ -52,15 +53,22 @@ def shipped_pair(prompt_len: int) -> tuple[Path, Path, list[int]]:
     return PAIR_DIR / "target", PAIR_DIR / "dflash", prompt
 
 
-def mid_pair(root: Path, hidden: int, layers: int, prompt_len: int) -> tuple[Path, Path, list[int]]:
-    """Random Qwen3 target, its residual writes scaled by 0.2 and a planted token in embedding and
-    head (``plant_checkpoint``), so it mostly emits that token; a random DFlash draft with small
-    layers (scale 0.1) over the same embedding and head proposes it too: blocks are mostly
-    accepted whole (measured: mean acceptance 7.75 of 8 at 1024 x 8)."""
+def mid_pair(root: Path, hidden: int, layers: int, prompt_len: int, family: str = "qwen3",
+             window: int = 128) -> tuple[Path, Path, list[int]]:
+    """Random Qwen3 target (or another ``family``'s, sliding layers with ``window``), its residual
+    writes scaled by 0.2 and a planted token in embedding and head (``plant_checkpoint``), so it
+    mostly emits that token; a random DFlash draft with small layers (scale 0.1) over the same
+    embedding and head proposes it too: blocks are mostly accepted whole (measured: mean
+    acceptance 7.75 of 8 at 1024 x 8)."""
     from speculant.testing.tiny import build_tiny_dflash, build_tiny_target, plant_checkpoint
+    from speculant.testing.tiny_families import build_tiny_family
 
-    target = build_tiny_target(root / "target", seed=0, hidden_size=hidden, num_layers=layers,
-                               max_position_embeddings=4096)
+    if family == "qwen3":
+        target = build_tiny_target(root / "target", seed=0, hidden_size=hidden, num_layers=layers,
+                                   max_position_embeddings=4096)
+    else:
+        target = build_tiny_family(root / "target", family, hidden_size=hidden, num_layers=layers,
+                                   sliding_window=window, max_position_embeddings=4096, scale=1.0)
     plant_checkpoint(target, strength=4.0, soften=0.2)
     draft = build_tiny_dflash(root / "draft", target, seed=7, num_layers=2, block_size=16, scale=0.1)
     return target, draft, [10 + i % 200 for i in range(prompt_len)]
@@ -296,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", default="shipped,mid")
     parser.add_argument("--hidden", type=int, default=1024, help="mid pair: hidden size (1024 x 8 layers: ~100M)")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--family", default="qwen3",
+                        help="mid pair: the target's family (tiny_families: gemma3_text, mistral, gpt_oss, ...)")
+    parser.add_argument("--sliding-window", type=int, default=128, help="mid pair: its sliding layers' window")
     parser.add_argument("--compile", default="auto",
                         help="backend.compile: auto, on or off; comma-separated to compare settings side by side")
     parser.add_argument("--verifier", default="auto",
@@ -335,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         pairs = {}
         for pair in args.pairs.split(","):
             pairs[pair] = (shipped_pair(args.prompt_len) if pair == "shipped"
-                           else mid_pair(Path(tmp) / pair, args.hidden, args.layers, args.prompt_len))
+                           else mid_pair(Path(tmp) / pair, args.hidden, args.layers, args.prompt_len,
+                                         args.family, args.sliding_window))
         for backend in args.backend.split(","):
             for pair, paths in pairs.items():
                 groups[f"{backend} / {pair}"] = (build_arms(args, backend, pair, paths, worker), paths[2])

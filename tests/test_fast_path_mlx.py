@@ -101,7 +101,7 @@ def test_engine_plain_greedy_takes_the_pipelined_path(engine):
     assert target.cache_length == PROMPT + NEW - 1  # cropped back: the last token is the next anchor
 
 
-FULL_ATTENTION = "llama"  # the family whose whole forward compiles (static.py); the others fall back
+WHOLE = ("llama", "mistral")  # the families whose whole forward compiles (static.py); hybrids fall back
 
 
 def family(engine) -> str:
@@ -109,16 +109,16 @@ def family(engine) -> str:
 
 
 def test_compile_auto_on_the_cpu(engine):
-    """auto compiles the whole forward on the CPU where every layer is full attention, and
-    otherwise stays eager, saying why."""
+    """auto compiles the whole forward on the CPU where every layer keeps keys and values (full or
+    sliding attention), and otherwise stays eager, saying why."""
     target = engine.target
-    if family(engine) == FULL_ATTENTION:
+    if family(engine) in WHOLE:
         assert "whole forwards compiled" in target.fast_path
         assert target._static is not None
     else:
         assert target._static is None
         assert "eager forwards (backend.compile=auto" in target.fast_path
-        assert "whole forward not compiled: its layers' caches" in target.fast_path
+        assert "whole forward not compiled: its layers' caches (DeltaCache)" in target.fast_path
         assert "compiled" not in type(target._inner.layers[0].module.mlp).__name__.lower()
 
 
@@ -127,15 +127,15 @@ def eager_engine(engine):
 
 
 def test_compiled_forwards_give_the_eager_forwards(engine):
-    """backend.compile=on: the whole forward (full attention) or every feed-forward block (the
-    others) runs compiled, and a verify block, plain steps and the pipelined steps give the
+    """backend.compile=on: the whole forward (full or sliding attention) or every feed-forward
+    block (the hybrid) runs compiled, and a verify block, plain steps and the pipelined steps give the
     eager target's results, across the static cache's growth (64 rows: capacity 32, then 64)."""
     from speculant.backends.mlx.compiled import CompiledBlock
 
     eager = eager_engine(engine)
     compiled = speculant.load_engine(config(engine.config.target.path, compile="on"))
     layers = compiled.target._inner.layers
-    if family(engine) == FULL_ATTENTION:
+    if family(engine) in WHOLE:
         assert compiled.target._static is not None
         assert not any(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
     else:

@@ -174,14 +174,15 @@ def test_compiled_draft_hidden_states_equal_the_eager_ones(pair, tmp_path, kind)
     assert context > 271
 
 
+def address(a) -> int:
+    view = np.array(a, copy=False)
+    return view.__array_interface__["data"][0]
+
+
 def test_forwards_write_the_buffers_in_place(pair):
     """Nothing keeps the old buffers alive while a step is evaluated, so MLX donates them to
     ``slice_update``: a kept reference would copy every layer's cache at every step."""
     import mlx.core as mx
-
-    def address(a) -> int:
-        view = np.array(a, copy=False)
-        return view.__array_interface__["data"][0]
 
     target = engine(pair, "on", drafter=False).target
     target.reset()
@@ -217,3 +218,57 @@ def test_a_worker_thread_running_compiled_forwards_leaves_a_clean_exit():
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-2000:]
+
+
+# -- sliding-window layers: a ring --------------------------------------------------------------
+
+def walk(target, rng, prompt: int, steps: int) -> list[np.ndarray]:
+    """Logits of a prompt (in chunks) then ``steps`` verify blocks of 1 .. 12 rows, each keeping
+    a random prefix; ``rng`` decides the same walk for every target given the same seed."""
+    import mlx.core as mx
+
+    target.reset()
+    out = [np.array(target.prefill([int(t) for t in rng.integers(5, 300, prompt)]).logits)]
+    for _ in range(steps):
+        width = int(rng.integers(1, 13))
+        start = target.cache_length
+        out.append(np.array(target.forward(mx.array(rng.integers(5, 300, width), dtype=mx.int32)).logits))
+        target.crop(start + int(rng.integers(1, width + 1)))
+    return out
+
+
+@pytest.mark.parametrize("rows", ["stepped", "exact"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_sliding_layers_over_a_ring_give_the_rollback_caches_logits(name, rows, tmp_path, monkeypatch):
+    """A window of 8 over prompts in chunks of 20 and 60 blocks (the ring wraps many times, grows
+    for the prompt's chunks and shrinks back for the blocks, and every block rolls back somewhere):
+    every forward's logits equal those over the rollback caches (caches.py). ``exact`` buffers
+    have no rows to spare, so a ring one row short, or a window off by one, fails."""
+    from speculant.backends.mlx import static
+    from speculant.backends.mlx import target as target_module
+    from speculant.testing.tiny_families import build_tiny_family
+
+    monkeypatch.setattr(target_module, "PREFILL_STEP", 20)
+    if rows == "exact":
+        monkeypatch.setattr(static, "capacity_for", lambda n: n)
+    path = build_tiny_family(tmp_path / name, name, sliding_window=8)
+    targets = [speculant.load_engine({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32",
+                                                  "compile": compile}, "target": {"path": str(path)}}).target
+               for compile in ("on", "off")]
+    assert targets[0]._static is not None and targets[1]._static is None
+    for request, prompt in enumerate([50, 25]):  # the second: a ring cut before it wraps
+        walks = [walk(t, np.random.default_rng(request), prompt, 60) for t in targets]
+        for step, (got, want) in enumerate(zip(*walks)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"request {request}, forward {step}")
+    ring = [c for c in targets[0].cache if c.window is not None][0]
+    assert ring.capacity < targets[0].cache_length  # it wrapped round
+
+    # the ring's scatter is written in place too, once its size has settled
+    import mlx.core as mx
+
+    target = targets[0]
+    for _ in range(3):
+        before = [address(c.keys) for c in target.cache if c.window is not None]
+        mx.eval(target.forward(mx.array([5, 6, 7], dtype=mx.int32)).logits)
+        assert [address(c.keys) for c in target.cache if c.window is not None] == before
+        target.crop(target.cache_length - 1)

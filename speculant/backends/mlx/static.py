@@ -11,11 +11,13 @@ verify block, capacities as ``speculant.core.buffers.capacity_for`` gives them.
 Rolling back costs nothing: the target's length is the next forward's offset, and rows past it
 are masked until they are overwritten. The buffers are kept across requests.
 
-Only targets whose layers all use mlx-lm's plain ``KVCache`` qualify (sliding-window and Gated
-DeltaNet layers keep their own caches, ``caches.py``). A model whose attention code reads the
-offset as an int, or builds its own mask, could still compute something else over these
-buffers, so :meth:`StaticForward.check` compares one forward against mlx-lm's cache at load and
-the target stays eager, with the reason in ``fast_path``, where they differ.
+Sliding-window layers (``WindowKVCache`` in ``caches.py``) keep a ring instead: the window before
+a block plus the block, so a long request reads and traces no more for them. Targets with Gated
+DeltaNet layers keep their own caches (their state is recorded per position, ``caches.py``). A
+model whose attention code reads the offset as an int, or builds its own mask, could still
+compute something else over these buffers, so :func:`check` compares a prompt and a block with
+the rollback caches at load and the target stays eager, with the reason in ``fast_path``, where
+they differ.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from speculant.backends.mlx import threads
+from speculant.backends.mlx.caches import WindowKVCache
 from speculant.backends.mlx.layout import relative_error
 from speculant.core.buffers import capacity_for
 from speculant.core.types import Capture
@@ -36,74 +39,123 @@ CHECK_ROWS = 5  # prompt rows of the load-time check; then a block of 3
 
 
 class StaticKVCache:
-    """One full-attention layer's keys/values ``[1, kv_heads, capacity, head_dim]``, written at
-    ``offset`` (set by :class:`StaticForward` before each forward)."""
+    """One attention layer's keys/values ``[1, kv_heads, capacity, head_dim]``, written at
+    ``offset`` (set by :class:`StaticForward` before each forward).
 
-    def __init__(self) -> None:
+    A full-attention layer's buffers grow with the sequence, and position ``p`` is row ``p``. A
+    sliding-window layer's (``window``) stop growing at ``window - 1`` plus the widest forward's
+    rows and wrap round: position
+    ``p`` is row ``p % capacity``, written by a scatter. Which position a row holds after a forward
+    follows from the offset alone (the latest one with that residue), so the mask needs no record
+    of what was written. That holds for rows a rejected block left behind too: with at least
+    ``window - 1 + w`` rows after a forward of width ``w``, such a row either is rewritten by the
+    next forward or holds, for every query of it, a position past the query or out of its window.
+    """
+
+    def __init__(self, window: int | None = None) -> None:
+        self.window = window
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset: mx.array = mx.array(0, dtype=mx.int32)
         self.capacity = 0
+        self.written = 0  # the end of the furthest forward so far (rows wrapped when > capacity)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:  # the first, eager, forward sets the shapes
             self.keys = mx.zeros((*keys.shape[:2], self.capacity, keys.shape[3]), dtype=keys.dtype)
             self.values = mx.zeros((*values.shape[:2], self.capacity, values.shape[3]), dtype=values.dtype)
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        if self.window is None:
+            start = self.offset.reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+            self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        else:
+            rows = (self.offset + mx.arange(keys.shape[2], dtype=mx.int32)) % self.capacity
+            self.keys[:, :, rows] = keys
+            self.values[:, :, rows] = values
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        """Keep-mask [n, capacity]: query ``i`` sees rows ``0 .. offset + i``."""
-        if window_size is not None:
-            raise NotImplementedError("a static cache serves full-attention layers only")
-        rows = self.offset + mx.arange(n, dtype=mx.int32)
-        return mx.arange(self.capacity, dtype=mx.int32)[None, :] <= rows[:, None]
+        """Keep-mask [n, capacity]: query ``offset + i`` sees the rows holding positions up to
+        its own and, for a sliding layer, within its window (the config's, as ``WindowKVCache``)."""
+        queries = self.offset + mx.arange(n, dtype=mx.int32)
+        window = self.window if self.window is not None else window_size
+        if window is None:
+            return mx.arange(self.capacity, dtype=mx.int32)[None, :] <= queries[:, None]
+        end = self.offset + (n - 1)
+        held = end - (end - mx.arange(self.capacity, dtype=mx.int32)) % self.capacity  # each row's position
+        return (held[None, :] >= 0) & (held[None, :] <= queries[:, None]) & (held[None, :] > queries[:, None] - window)
 
-    def grow(self, capacity: int) -> None:
-        if self.keys is not None:
-            extra = capacity - self.keys.shape[2]
-            pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
-        self.capacity = capacity
+    def fit(self, offset: int, width: int, ring: int) -> None:
+        """Room for a forward of ``width`` rows at ``offset``: a full layer grows to hold every
+        position, a sliding layer to ``ring`` rows (at least ``window - 1 + width``)."""
+        size = max(self.capacity, capacity_for(offset + width))
+        if self.window is not None:
+            size = min(ring, capacity_for(offset + width))
+        if size != self.capacity:
+            if self.keys is not None and self.written > min(self.capacity, size):
+                self._relayout(offset, size)
+            elif self.keys is not None:  # rows are still positions: pad or cut
+                rows = (slice(None), slice(None), slice(0, min(self.capacity, size)))
+                pad = [(0, 0), (0, 0), (0, max(0, size - self.capacity)), (0, 0)]
+                self.keys, self.values = mx.pad(self.keys[rows], pad), mx.pad(self.values[rows], pad)
+            self.capacity = size
+        self.written = max(self.written if self.keys is not None else 0, offset + width)
+
+    def _relayout(self, offset: int, size: int) -> None:
+        """Move the window before ``offset`` into a ring of ``size`` rows (nothing later: it was
+        rejected or never written)."""
+        kept = mx.arange(max(0, offset - self.window + 1), offset, dtype=mx.int32)
+        keys = mx.zeros((*self.keys.shape[:2], size, self.keys.shape[3]), dtype=self.keys.dtype)
+        values = mx.zeros_like(keys)
+        keys[:, :, kept % size] = self.keys[:, :, kept % self.capacity]
+        values[:, :, kept % size] = self.values[:, :, kept % self.capacity]
+        self.keys, self.values = keys, values
+        self.written = offset
 
     @property
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
 
     def trim(self, n: int) -> int:
-        return n  # the target's length is the next offset; rows past it are masked
+        return n  # the target's length is the next offset; later rows are masked or out of reach
 
 
 def qualifies(caches: list) -> bool:
-    """Whether every layer of a target uses mlx-lm's plain full-attention cache."""
-    return bool(caches) and all(type(c) is KVCache for c in caches)
+    """Whether every layer of a target keeps keys/values (full attention or a sliding window)."""
+    return bool(caches) and all(type(c) in (KVCache, WindowKVCache) for c in caches)
 
 
 class StaticForward:
     """Forwards of ``model`` over :class:`StaticKVCache` layers, compiled per (capture, width,
     capacity) when ``compiled`` (eager otherwise: the prompt's chunks, which vary in width)."""
 
-    def __init__(self, model: nn.Module, layers: int, finish: Callable[[Capture], tuple], start: Callable) -> None:
+    def __init__(self, model: nn.Module, windows: list[int | None], finish: Callable[[Capture], tuple],
+                 start: Callable) -> None:
         self.model = model
-        self.cache = [StaticKVCache() for _ in range(layers)]
+        self.cache = [StaticKVCache(window) for window in windows]
         self._start, self._finish = start, finish  # the target's hidden-state recorder
         self._compiled: dict[Capture, Callable] = {}
+        sliding = [w for w in windows if w is not None]
+        self._reach = max(sliding) - 1 if sliding else None  # rows before a block its queries see
+        self._widest = 1  # the widest compiled forward so far: the rings are sized for it
 
     def reset(self) -> None:
         """Drop the buffers: a short request after a long one should not attend over its rows."""
         for c in self.cache:
             c.keys = c.values = None
-            c.capacity = 0
+            c.capacity = c.written = 0
 
     def __call__(self, ids: mx.array, offset: int, capture: Capture, compiled: bool = True):
         """Logits [1, n, vocab] and the captured (features, final) of ``ids`` [1, n] at ``offset``."""
         threads.register()
-        need = offset + int(ids.shape[1])
-        if need > self.cache[0].capacity:
-            for c in self.cache:
-                c.grow(capacity_for(need))
+        width = int(ids.shape[1])
+        if compiled:
+            self._widest = max(self._widest, width)
+        # every sliding layer gets the same ring, so one mask serves them all (as the models share it);
+        # a prompt chunk widens it and the next compiled forward narrows it back
+        ring = 0 if self._reach is None else capacity_for(self._reach + max(width, self._widest))
+        for c in self.cache:
+            c.fit(offset, width, ring)
         first = self.cache[0].keys is None  # eager: it allocates the buffers
         buffers = [] if first else [a for c in self.cache for a in (c.keys, c.values)]
         fn = self._compiled_for(capture) if compiled and not first else self._eager_for(capture)
@@ -142,23 +194,26 @@ class StaticForward:
 
 
 def build(model: nn.Module, caches: list, start: Callable, finish: Callable) -> tuple[StaticForward | None, str]:
-    """A checked :class:`StaticForward` for ``model`` (whose mlx-lm cache is ``caches``), or None
-    and why not."""
+    """A checked :class:`StaticForward` for ``model`` (whose rollback caches, ``caches.py``, are
+    ``caches``), or None and why not."""
     if not qualifies(caches):
-        kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
-        return None, f"its layers' caches ({', '.join(kinds)}) are not all full attention"
-    forward = StaticForward(model, len(caches), finish, start)
+        kinds = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, WindowKVCache)})
+        return None, f"its layers' caches ({', '.join(kinds)}) keep no keys and values"
+    windows = [c.window if isinstance(c, WindowKVCache) else None for c in caches]
+    forward = StaticForward(model, windows, finish, start)
     error = check(model, forward)
     if error is not None:
         return None, error
-    return forward, f"{len(caches)} full-attention layers over a static cache"
+    sliding = sum(w is not None for w in windows)
+    counts = {"full-attention": len(windows) - sliding, "sliding-window (a ring each)": sliding}
+    return forward, " and ".join(f"{n} {kind}" for kind, n in counts.items() if n) + " layers over a static cache"
 
 
 def check(model: nn.Module, forward: StaticForward) -> str | None:
     """Compare a prompt and a compiled block against mlx-lm's own cache; None when they agree."""
     prompt = mx.arange(1, CHECK_ROWS + 1, dtype=mx.int32)[None]
     block = mx.arange(2, 5, dtype=mx.int32)[None]
-    kv = [KVCache() for _ in forward.cache]
+    kv = [KVCache() if c.window is None else WindowKVCache(c.window) for c in forward.cache]
     try:
         expected = [model(prompt, cache=kv), model(block, cache=kv)]
         got = [forward(prompt, 0, Capture(), compiled=False)[0], forward(block, CHECK_ROWS, Capture())[0]]
