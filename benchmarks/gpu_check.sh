@@ -13,7 +13,9 @@
 #   ref-venv       the reference: transformers 5.15.0 (dflash 0.1.0 needs it; speculant runs a newer
 #                  one) and dflash 0.1.0, installed --no-deps, with secondary pins from
 #                  tests/reference/constraints.txt; it reads torch from the first venv through a .pth
-#                  file placed after its own site-packages, so the large CUDA torch is installed once.
+#                  file placed after its own site-packages, so the large CUDA torch is installed once
+#                  (a reference venv that has its own torch, as scripts/make_reference_venv.sh builds,
+#                  is used as it is).
 # Environment: PYTHON (default python3), REPEATS (3), MAX_NEW (64), COMPILE (auto), DTYPE (float32),
 # SPECULANT_GPU_VENV, SPECULANT_REF_VENV. Every other argument goes to fast_path.py.
 set -euo pipefail
@@ -56,7 +58,9 @@ if [[ ! -x "$REF/bin/python" ]]; then
     "$PY" -m venv --without-pip "$REF" 2>/dev/null || "$PYTHON" -m venv --without-pip "$REF"
 fi
 REF_SITE="$("$REF/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-"$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$REF_SITE/zz_speculant_torch.pth"
+if ! "$REF/bin/python" -c 'import torch' 2>/dev/null; then  # a venv with its own torch is left as it is
+    "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$REF_SITE/zz_speculant_torch.pth"
+fi
 if ! "$REF/bin/python" -c 'import transformers, dflash, sys; sys.exit(not transformers.__version__.startswith("5.15."))' 2>/dev/null; then
     log "installing transformers 5.15.0 and dflash 0.1.0 into $REF"
     PINS=$(grep -v '^#' tests/reference/constraints.txt | grep -E '^(huggingface-hub|tokenizers|safetensors)==' || true)
