@@ -1,7 +1,8 @@
 """MLX fast path: ``MLXTarget.greedy_steps`` (plain greedy decoding pipelined like mlx-lm's
 ``generate_step``) gives exactly the tokens of the step-by-step plain loop, and leaves a cache that
 ``crop`` brings back to the plain loop's, on full-attention (llama), Gated DeltaNet hybrid (qwen3_5)
-and sliding-window (mistral) targets; and ``backend.compile`` decides what runs compiled.
+and sliding-window (mistral) targets, eager and compiled; and ``backend.compile`` decides what runs
+compiled.
 
 The step-by-step reference drives the same target the way the engine's plain loop does
 (prefill, then a one-token ``forward`` per token, argmax, ``crop``). After ``greedy_steps`` is
@@ -101,46 +102,45 @@ def test_engine_plain_greedy_takes_the_pipelined_path(engine):
     assert target.cache_length == PROMPT + NEW - 1  # cropped back: the last token is the next anchor
 
 
-WHOLE = ("llama", "mistral")  # the families whose whole forward compiles (static.py); hybrids fall back
+KINDS = {"llama": "4 full-attention layers", "mistral": "4 sliding-window (a ring each) layers",
+         "qwen3_5": "1 full-attention and 3 Gated DeltaNet layers"}
 
 
 def family(engine) -> str:
-    return engine.target.info.model_type
+    from speculant.backends.mlx.families import family
+
+    return family(engine.target.info)
 
 
 def test_compile_auto_on_the_cpu(engine):
-    """auto compiles the whole forward on the CPU where every layer keeps keys and values (full or
-    sliding attention), and otherwise stays eager, saying why."""
+    """auto compiles the whole forward on the CPU, whatever the layers' kinds, and says which."""
     target = engine.target
-    if family(engine) in WHOLE:
-        assert "whole forwards compiled" in target.fast_path
-        assert target._static is not None
-    else:
-        assert target._static is None
-        assert "eager forwards (backend.compile=auto" in target.fast_path
-        assert "whole forward not compiled: its layers' caches (DeltaCache)" in target.fast_path
-        assert "compiled" not in type(target._inner.layers[0].module.mlp).__name__.lower()
+    assert target._static is not None
+    assert "whole forwards compiled" in target.fast_path
+    assert f"{KINDS[family(engine)]} over a static cache" in target.fast_path
 
 
 def eager_engine(engine):
     return speculant.load_engine(config(engine.config.target.path, compile="off"))
 
 
-def test_compiled_forwards_give_the_eager_forwards(engine):
-    """backend.compile=on: the whole forward (full or sliding attention) or every feed-forward
-    block (the hybrid) runs compiled, and a verify block, plain steps and the pipelined steps give the
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "blocks"])
+def test_compiled_forwards_give_the_eager_forwards(engine, whole, monkeypatch):
+    """backend.compile=on: the whole forward runs compiled or, where the load-time check refuses
+    it, every feed-forward block does; a verify block, plain steps and the pipelined steps give the
     eager target's results, across the static cache's growth (64 rows: capacity 32, then 64)."""
+    from speculant.backends.mlx import static
     from speculant.backends.mlx.compiled import CompiledBlock
 
     eager = eager_engine(engine)
+    if not whole:
+        monkeypatch.setattr(static, "check", lambda model, forward: "refused by the test")
     compiled = speculant.load_engine(config(engine.config.target.path, compile="on"))
     layers = compiled.target._inner.layers
-    if family(engine) in WHOLE:
-        assert compiled.target._static is not None
-        assert not any(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
-    else:
-        assert "whole forward not compiled" in compiled.target.fast_path
-        assert all(isinstance(layer.module.mlp, CompiledBlock) for layer in layers)
+    assert (compiled.target._static is not None) == whole
+    assert all(isinstance(layer.module.mlp, CompiledBlock) != whole for layer in layers)
+    if not whole:
+        assert "whole forward not compiled: refused by the test" in compiled.target.fast_path
     ids, block = prompt(), [7, 9, 11, 13, 15]
     logits = []
     for e in (eager, compiled):

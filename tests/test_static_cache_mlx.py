@@ -272,3 +272,24 @@ def test_sliding_layers_over_a_ring_give_the_rollback_caches_logits(name, rows, 
         mx.eval(target.forward(mx.array([5, 6, 7], dtype=mx.int32)).logits)
         assert [address(c.keys) for c in target.cache if c.window is not None] == before
         target.crop(target.cache_length - 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_gated_deltanet_layers_compiled_give_the_eager_logits(name, tmp_path, monkeypatch):
+    """The hybrids' whole forward compiled: their DeltaNet states pass through it, and a verify
+    block returns its per-position states, so a crop at any depth leaves the eager target's
+    state (every forward's logits equal, over the same walk as the sliding test)."""
+    from speculant.backends.mlx import target as target_module
+    from speculant.testing.tiny_families import build_tiny_family
+
+    monkeypatch.setattr(target_module, "PREFILL_STEP", 20)
+    path = build_tiny_family(tmp_path / name, name)
+    targets = [speculant.load_engine({"backend": {"kind": "mlx", "device": "cpu", "dtype": "float32",
+                                                  "compile": compile}, "target": {"path": str(path)}}).target
+               for compile in ("on", "off")]
+    assert targets[0]._static is not None and targets[1]._static is None
+    assert "Gated DeltaNet layers over a static cache" in targets[0].fast_path
+    for request, prompt in enumerate([50, 25]):
+        walks = [walk(t, np.random.default_rng(request), prompt, 40) for t in targets]
+        for step, (got, want) in enumerate(zip(*walks)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"request {request}, forward {step}")

@@ -12,16 +12,18 @@ Rolling back costs nothing: the target's length is the next forward's offset, an
 are masked until they are overwritten. The buffers are kept across requests.
 
 Sliding-window layers (``WindowKVCache`` in ``caches.py``) keep a ring instead: the window before
-a block plus the block, so a long request reads and traces no more for them. Targets with Gated
-DeltaNet layers keep their own caches (their state is recorded per position, ``caches.py``). A
-model whose attention code reads the offset as an int, or builds its own mask, could still
-compute something else over these buffers, so :func:`check` compares a prompt and a block with
-the rollback caches at load and the target stays eager, with the reason in ``fast_path``, where
-they differ.
+a block plus the block, so a long request reads and traces no more for them. Gated DeltaNet layers
+pass their conv and recurrent states through the compiled forward, and a verify forward also
+returns each one's state after every position, so ``DeltaCache.trim`` rolls them back as in the
+eager forward. A model whose attention code reads the offset as an int, or builds its own mask,
+could still compute something else over these buffers, so :func:`check` compares a prompt and a
+block with the rollback caches at load and the target stays eager, with the reason in
+``fast_path``, where they differ.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import mlx.core as mx
@@ -29,7 +31,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from speculant.backends.mlx import threads
-from speculant.backends.mlx.caches import WindowKVCache
+from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording
 from speculant.backends.mlx.layout import relative_error
 from speculant.core.buffers import capacity_for
 from speculant.core.types import Capture
@@ -121,102 +123,149 @@ class StaticKVCache:
 
 
 def qualifies(caches: list) -> bool:
-    """Whether every layer of a target keeps keys/values (full attention or a sliding window)."""
-    return bool(caches) and all(type(c) in (KVCache, WindowKVCache) for c in caches)
+    """Whether every layer of a target keeps keys/values (full or sliding attention) or a Gated
+    DeltaNet state."""
+    return bool(caches) and all(type(c) in (KVCache, WindowKVCache, DeltaCache) for c in caches)
+
+
+def _own(c):
+    """The static forward's cache for a layer whose rollback cache (caches.py) is ``c``."""
+    if type(c) is DeltaCache:
+        return DeltaCache(len(c.cache))
+    return StaticKVCache(c.window if isinstance(c, WindowKVCache) else None)
+
+
+def _arrays(c) -> tuple:
+    """What a layer's cache passes through a compiled forward: keys and values, or the conv and
+    recurrent states."""
+    return (c.keys, c.values) if isinstance(c, StaticKVCache) else (c[0], c[1])
+
+
+def _install(c, first: mx.array, second: mx.array) -> None:
+    if isinstance(c, StaticKVCache):
+        c.keys, c.values = first, second
+    else:
+        c[0], c[1] = first, second
 
 
 class StaticForward:
-    """Forwards of ``model`` over :class:`StaticKVCache` layers, compiled per (capture, width,
-    capacity) when ``compiled`` (eager otherwise: the prompt's chunks, which vary in width)."""
+    """Forwards of ``model`` over :class:`StaticKVCache` and ``DeltaCache`` layers, compiled per
+    (capture, recording, width, capacity) when ``compiled`` (eager otherwise: the prompt's chunks,
+    which vary in width).
 
-    def __init__(self, model: nn.Module, windows: list[int | None], finish: Callable[[Capture], tuple],
-                 start: Callable) -> None:
+    A Gated DeltaNet layer's states go in and come out as arrays. A verify forward (``record``)
+    also returns, per such layer, its conv input and its state after every position, which
+    ``DeltaCache.trim`` rolls back to, as in the eager forward.
+    """
+
+    def __init__(self, model: nn.Module, caches: list, finish: Callable[[Capture], tuple], start: Callable) -> None:
         self.model = model
-        self.cache = [StaticKVCache(window) for window in windows]
+        self.cache = [_own(c) for c in caches]
+        self._deltas = [c for c in self.cache if isinstance(c, DeltaCache)]
         self._start, self._finish = start, finish  # the target's hidden-state recorder
-        self._compiled: dict[Capture, Callable] = {}
-        sliding = [w for w in windows if w is not None]
+        self._compiled: dict[tuple[Capture, bool], Callable] = {}
+        sliding = [c.window for c in self.cache if isinstance(c, StaticKVCache) and c.window is not None]
         self._reach = max(sliding) - 1 if sliding else None  # rows before a block its queries see
         self._widest = 1  # the widest compiled forward so far: the rings are sized for it
 
     def reset(self) -> None:
-        """Drop the buffers: a short request after a long one should not attend over its rows."""
+        """Drop the buffers and states: a short request after a long one should not attend over its rows."""
         for c in self.cache:
-            c.keys = c.values = None
-            c.capacity = c.written = 0
+            if isinstance(c, StaticKVCache):
+                c.keys = c.values = None
+                c.capacity = c.written = 0
+            else:
+                c[0] = c[1] = None
+                c.forget()
 
-    def __call__(self, ids: mx.array, offset: int, capture: Capture, compiled: bool = True):
-        """Logits [1, n, vocab] and the captured (features, final) of ``ids`` [1, n] at ``offset``."""
+    def __call__(self, ids: mx.array, offset: int, capture: Capture, compiled: bool = True, record: bool = False):
+        """Logits [1, n, vocab] and the captured (features, final) of ``ids`` [1, n] at ``offset``;
+        ``record``: keep what rolling its Gated DeltaNet layers back within the block needs."""
         threads.register()
         width = int(ids.shape[1])
+        record = record and bool(self._deltas)
         if compiled:
             self._widest = max(self._widest, width)
         # every sliding layer gets the same ring, so one mask serves them all (as the models share it);
         # a prompt chunk widens it and the next compiled forward narrows it back
         ring = 0 if self._reach is None else capacity_for(self._reach + max(width, self._widest))
         for c in self.cache:
-            c.fit(offset, width, ring)
-        first = self.cache[0].keys is None  # eager: it allocates the buffers
-        buffers = [] if first else [a for c in self.cache for a in (c.keys, c.values)]
-        fn = self._compiled_for(capture) if compiled and not first else self._eager_for(capture)
-        logits, *rest = fn(ids, mx.array(offset, dtype=mx.int32), *buffers)
+            if isinstance(c, StaticKVCache):
+                c.fit(offset, width, ring)
+        if record:
+            for c in self._deltas:
+                c.forget()
+        buffers = [a for c in self.cache for a in _arrays(c)]
+        first = any(a is None for a in buffers)  # eager: it allocates the buffers and states
+        fn = self._compiled_for(capture, record) if compiled and not first else self._eager_for(capture, record)
+        logits, *rest = fn(ids, mx.array(offset, dtype=mx.int32), *([] if first else buffers))
         captured = int(bool(capture.layer_ids)) + int(capture.final_hidden is not None)
         for i, c in enumerate(self.cache):
-            c.keys, c.values = rest[captured + 2 * i], rest[captured + 2 * i + 1]
+            _install(c, rest[captured + 2 * i], rest[captured + 2 * i + 1])
+        if record:
+            recorded = rest[captured + 2 * len(self.cache):]
+            for j, c in enumerate(self._deltas):
+                c.conv_input, c.states = recorded[2 * j], recorded[2 * j + 1]
         features = rest[0] if capture.layer_ids else None
         final = rest[captured - 1] if capture.final_hidden is not None else None
         return logits, features, final
 
-    def _eager_for(self, capture: Capture) -> Callable:
-        return lambda ids, position, *buffers: self._step(capture, ids, position, *buffers)
+    def _eager_for(self, capture: Capture, record: bool) -> Callable:
+        return lambda ids, position, *buffers: self._step(capture, record, ids, position, *buffers)
 
-    def _compiled_for(self, capture: Capture) -> Callable:
-        fn = self._compiled.get(capture)
+    def _compiled_for(self, capture: Capture, record: bool) -> Callable:
+        fn = self._compiled.get((capture, record))
         if fn is None:
-            fn = self._compiled[capture] = mx.compile(self._eager_for(capture))
+            fn = self._compiled[(capture, record)] = mx.compile(self._eager_for(capture, record))
         return fn
 
-    def _step(self, capture: Capture, ids: mx.array, position: mx.array, *buffers: mx.array) -> list[mx.array]:
-        """[logits, captured arrays.., keys and values of every layer..]: arrays only, as
-        ``mx.compile`` needs."""
+    def _step(self, capture: Capture, record: bool, ids: mx.array, position: mx.array,
+              *buffers: mx.array) -> list[mx.array]:
+        """[logits, captured arrays.., each layer's two arrays.., (each DeltaNet's conv input and
+        states)]: arrays only, as ``mx.compile`` needs."""
         for i, c in enumerate(self.cache):
-            c.offset = position
+            if isinstance(c, StaticKVCache):
+                c.offset = position
             if buffers:
-                c.keys, c.values = buffers[2 * i], buffers[2 * i + 1]
+                _install(c, buffers[2 * i], buffers[2 * i + 1])
         self._start(capture)
         try:
-            logits = self.model(ids, cache=self.cache)
+            with recording(self.cache) if record else nullcontext():
+                logits = self.model(ids, cache=self.cache)
         except BaseException:
             self._start(Capture())
             raise
         captured = [a for a in self._finish(capture) if a is not None]
-        return [logits, *captured, *[a for c in self.cache for a in (c.keys, c.values)]]
+        recorded = [a for c in self._deltas for a in (c.conv_input, mx.stack(c.states))] if record else []
+        return [logits, *captured, *[a for c in self.cache for a in _arrays(c)], *recorded]
 
 
 def build(model: nn.Module, caches: list, start: Callable, finish: Callable) -> tuple[StaticForward | None, str]:
     """A checked :class:`StaticForward` for ``model`` (whose rollback caches, ``caches.py``, are
     ``caches``), or None and why not."""
     if not qualifies(caches):
-        kinds = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, WindowKVCache)})
-        return None, f"its layers' caches ({', '.join(kinds)}) keep no keys and values"
-    windows = [c.window if isinstance(c, WindowKVCache) else None for c in caches]
-    forward = StaticForward(model, windows, finish, start)
+        kinds = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, WindowKVCache, DeltaCache)})
+        return None, f"its layers' caches ({', '.join(kinds)}) are not rolled back by speculant"
+    forward = StaticForward(model, caches, finish, start)
     error = check(model, forward)
     if error is not None:
         return None, error
-    sliding = sum(w is not None for w in windows)
-    counts = {"full-attention": len(windows) - sliding, "sliding-window (a ring each)": sliding}
-    return forward, " and ".join(f"{n} {kind}" for kind, n in counts.items() if n) + " layers over a static cache"
+    kinds = {"full-attention": 0, "sliding-window (a ring each)": 0, "Gated DeltaNet": 0}
+    for c in forward.cache:
+        kinds["Gated DeltaNet" if isinstance(c, DeltaCache) else
+              "full-attention" if c.window is None else "sliding-window (a ring each)"] += 1
+    return forward, " and ".join(f"{n} {kind}" for kind, n in kinds.items() if n) + " layers over a static cache"
 
 
 def check(model: nn.Module, forward: StaticForward) -> str | None:
     """Compare a prompt and a compiled block against mlx-lm's own cache; None when they agree."""
     prompt = mx.arange(1, CHECK_ROWS + 1, dtype=mx.int32)[None]
     block = mx.arange(2, 5, dtype=mx.int32)[None]
-    kv = [KVCache() if c.window is None else WindowKVCache(c.window) for c in forward.cache]
+    kv = [DeltaCache(len(c.cache)) if isinstance(c, DeltaCache) else KVCache() if c.window is None
+          else WindowKVCache(c.window) for c in forward.cache]
     try:
         expected = [model(prompt, cache=kv), model(block, cache=kv)]
-        got = [forward(prompt, 0, Capture(), compiled=False)[0], forward(block, CHECK_ROWS, Capture())[0]]
+        got = [forward(prompt, 0, Capture(), compiled=False)[0], forward(block, CHECK_ROWS, Capture(), record=True)[0]]
         mx.eval(expected, got)
     except Exception as error:  # a model whose attention code cannot run over array offsets
         return f"a compiled forward failed: {type(error).__name__}: {error}"

@@ -11,6 +11,7 @@ tapped, and each forward says which layers it wants, so any number of drafters w
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -192,14 +193,17 @@ class MLXTarget(TargetModel):
         forget_all(self.cache)
 
     # -- forwards --------------------------------------------------------------------------
-    def _run(self, ids: mx.array, capture: Capture, compiled: bool = True) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    def _run(self, ids: mx.array, capture: Capture, compiled: bool = True,
+             record: bool = False) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """``record``: keep the per-position Gated DeltaNet states a crop within this block needs."""
         if self._static is not None:  # prompt chunks (varying widths) run eagerly
-            logits, features, final = self._static(ids[None], self._length, capture, compiled)
+            logits, features, final = self._static(ids[None], self._length, capture, compiled, record)
             self._length += int(ids.shape[0])
             return logits[0], features, final
         self._recorder.start(capture)
         try:
-            logits = self.model(ids[None], cache=self.cache)
+            with recording(self.cache) if record else nullcontext():
+                logits = self.model(ids[None], cache=self.cache)
         except BaseException:
             self._recorder.start(Capture())  # stop recording; keep the original error
             raise
@@ -225,12 +229,10 @@ class MLXTarget(TargetModel):
         return out
 
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
-        if self._delta_layers and int(token_ids.shape[0]) > 1:
-            with recording(self.cache):  # per-position DeltaNet states, for crop
-                logits, features, final = self._run(token_ids, capture)
-        else:
+        record = bool(self._delta_layers) and int(token_ids.shape[0]) > 1
+        if not record:
             forget_all(self.cache)  # a one-token step leaves nothing to roll back to
-            logits, features, final = self._run(token_ids, capture)
+        logits, features, final = self._run(token_ids, capture, record=record)
         out = ForwardOutput(logits=logits, features=features, final_hidden=final)
         _schedule(out)
         return out
