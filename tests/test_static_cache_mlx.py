@@ -108,6 +108,21 @@ def test_a_new_request_keeps_the_draft_traces(pair):
     assert e.drafter.net.compiled is compiled and compiled._compiled is step and compiled.rows == 0
 
 
+def test_the_target_traces_once_per_shape_and_reports_it(pair):
+    """A second request of the same shapes traces nothing more, and ``fast_path`` (also in the
+    request's stats) counts the traces and their time."""
+    import re
+
+    e = engine(pair, "on")
+    first = e.run(prompt_ids=prompt(), max_new_tokens=40, ignore_eos=True)
+    traces = e.target._static._traced.copy()
+    assert len(traces) > 2  # widths 1 and 8 at least, over the buffers' sizes
+    second = e.run(prompt_ids=prompt(), max_new_tokens=40, ignore_eos=True)
+    assert e.target._static._traced == traces and second.token_ids == first.token_ids
+    counted = re.search(r"(\d+) traces in (\d+\.\d+) s", second.stats.fast_path)
+    assert counted and int(counted.group(1)) == len(traces) and float(counted.group(2)) > 0
+
+
 @pytest.mark.parametrize("ahead", ["off", "on"])
 def test_a_sliding_draft_wraps_its_ring_losslessly(pair, ahead):
     """The shipped draft's layers all slide (window 256): past 271 positions its compiled step

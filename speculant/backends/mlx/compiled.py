@@ -1,11 +1,11 @@
 """``mx.compile`` for the target's forwards, and the ``backend.compile`` choice.
 
-Where every layer is full attention, the whole forward is compiled over a static cache whose
-write position is an array (static.py): one trace per (width, cache capacity), and the draft step
-follows (``speculant/drafters/dflash/mlx_compiled.py``). mlx-lm's other caches (sliding windows,
-Gated DeltaNet) keep their write position as a Python int, which a trace would bake in, so there
-only each decoder layer's feed-forward block (MLP or MoE), which holds no state, can be compiled:
-once per input shape, with the layer's weights captured as constants.
+The whole forward is compiled over caches whose write position is an array (static.py): one
+trace per (width, buffer rows), and the draft step follows
+(``speculant/drafters/dflash/mlx_compiled.py``). Where the load-time check refuses that (a model
+whose attention code reads the offset as an int), only each decoder layer's feed-forward block
+(MLP or MoE), which holds no state, can be compiled: once per input shape, with the layer's
+weights captured as constants.
 
 The choice (``backend.compile``): ``off`` never compiles; ``on`` compiles wherever it can;
 ``auto`` compiles only where it was measured to pay. On the CPU the whole forward pays

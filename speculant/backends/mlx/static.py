@@ -23,6 +23,7 @@ block with the rollback caches at load and the target stays eager, with the reas
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Callable
 
@@ -167,6 +168,8 @@ class StaticForward:
         sliding = [c.window for c in self.cache if isinstance(c, StaticKVCache) and c.window is not None]
         self._reach = max(sliding) - 1 if sliding else None  # rows before a block its queries see
         self._widest = 1  # the widest compiled forward so far: the rings are sized for it
+        self._traced: set[tuple] = set()  # (capture, record, width, buffer rows) traced so far
+        self.trace_s = 0.0  # seconds spent tracing and compiling them (a first call returns then)
 
     def reset(self) -> None:
         """Drop the buffers and states: a short request after a long one should not attend over its rows."""
@@ -198,7 +201,12 @@ class StaticForward:
         buffers = [a for c in self.cache for a in _arrays(c)]
         first = any(a is None for a in buffers)  # eager: it allocates the buffers and states
         fn = self._compiled_for(capture, record) if compiled and not first else self._eager_for(capture, record)
+        key = (capture, record, width, *sorted({c.capacity for c in self.cache if isinstance(c, StaticKVCache)}))
+        tracing, started = compiled and not first and key not in self._traced, time.perf_counter()
         logits, *rest = fn(ids, mx.array(offset, dtype=mx.int32), *([] if first else buffers))
+        if tracing:  # a compiled call returns once traced: the arrays are computed later
+            self._traced.add(key)
+            self.trace_s += time.perf_counter() - started
         captured = int(bool(capture.layer_ids)) + int(capture.final_hidden is not None)
         for i, c in enumerate(self.cache):
             _install(c, rest[captured + 2 * i], rest[captured + 2 * i + 1])
@@ -209,6 +217,9 @@ class StaticForward:
         features = rest[0] if capture.layer_ids else None
         final = rest[captured - 1] if capture.final_hidden is not None else None
         return logits, features, final
+
+    def describe(self) -> str:
+        return f"{len(self._traced)} traces in {self.trace_s:.2f} s"
 
     def _eager_for(self, capture: Capture, record: bool) -> Callable:
         return lambda ids, position, *buffers: self._step(capture, record, ids, position, *buffers)

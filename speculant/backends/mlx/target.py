@@ -123,7 +123,7 @@ class MLXTarget(TargetModel):
         self.split_rows: int | None = None  # their products split over the cores from so many rows (split.py)
         weights = self._transpose_weights(setting)
         self._head = _output_head(model, self._inner)
-        self.fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights, self._compile_whole)
+        self._fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights, self._compile_whole)
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
@@ -162,6 +162,13 @@ class MLXTarget(TargetModel):
         if forward is not None:
             self._static, self.cache = forward, forward.cache
         return forward is not None, note
+
+    @property
+    def fast_path(self) -> str:
+        """What runs compiled and how (``compiled.apply``), and the traces made so far."""
+        if self._static is None:
+            return self._fast_path
+        return f"{self._fast_path}; {self._static.describe()}"
 
     @property
     def compiles_whole(self) -> bool:
