@@ -222,11 +222,20 @@ def build_arms(args, backend: str, pair: str, paths, worker: ReferenceWorker | N
     for ahead in args.draft_ahead.split(",")[1:]:  # more draft_ahead settings, likewise
         arms[f"speculant dflash <ahead {ahead}>"] = Speculant(backend, args.device, args.dtype, settings[0], target,
                                                              draft, args.block_size, draft_ahead=ahead)
-    arms["mlx-lm plain" if backend == "mlx" else "transformers plain"] = (MlxLm if backend == "mlx" else Transformers)(**common)
+    library = "mlx-lm plain" if backend == "mlx" else "transformers plain"
+    try:
+        arms[library] = (MlxLm if backend == "mlx" else Transformers)(**common)
+    except ValueError as error:  # e.g. mlx-lm's own load cannot read gpt-oss or Muse Glimmer as published
+        print(f"{backend} / {pair}: {library} skipped: {str(error).splitlines()[0]}")
     if worker is not None:
         key = f"{backend}/{pair}"
-        worker.ask(op="load", key=key, backend=backend, device=args.device, dtype=args.dtype,
-                   target=str(target), draft=str(draft), threads=args.threads)
+        try:
+            worker.ask(op="load", key=key, backend=backend, device=args.device, dtype=args.dtype,
+                       target=str(target), draft=str(draft), threads=args.threads)
+        except RuntimeError as error:
+            why = [line for line in str(error).splitlines() if "Error" in line][-1:] or ["(no message)"]
+            print(f"{backend} / {pair}: reference skipped: {why[0].strip()}")
+            return arms
         arms["reference plain"] = Reference(worker, key, True, args.block_size)
         arms["reference dflash"] = Reference(worker, key, False, args.block_size)
     return arms
@@ -274,7 +283,8 @@ def report(group: str, arms: dict, cells: dict) -> None:
         print(f"  {name:20s} {statistics.median(cell['rates']):8.1f} tok/s  "
               f"(runs {', '.join(f'{r:.1f}' for r in cell['rates'])}){extra}  {same}")
     library = "mlx-lm plain" if "mlx-lm plain" in rates else "transformers plain"
-    print(f"  speculant plain / {library}: {spread(per('speculant plain', library))}")
+    if library in rates:
+        print(f"  speculant plain / {library}: {spread(per('speculant plain', library))}")
     ours = per("speculant dflash", "speculant plain")
     print(f"  speculant dflash / speculant plain: {spread(ours)}")
     if "reference dflash" in rates:
