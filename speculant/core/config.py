@@ -37,13 +37,13 @@ class BackendConfig(_Section):
     """Model dtype; `auto` is bfloat16 on CUDA (float16 without bf16), float16 on MPS, float32 on CPU."""
     compile: Literal["auto", "on", "off"] = "auto"
     """Compiled forwards (torch.compile per verify width over a static cache; on MLX, mx.compile
-    of the whole forward over a static cache where every target layer is full attention, else of
-    its feed-forward blocks), the draft step following the target: `auto` where the backend's
-    benchmark shows they pay (PyTorch: compiled on CUDA, eager on a CPU; MLX: compiled whole
-    forwards on a CPU; on a CPU in float32, linear weights stored transposed or packed for oneDNN
-    on PyTorch, stored transposed on MLX, whichever is timed fastest at load, if faster than as
-    loaded; on MLX large products also split over the cores if timed faster), `on` wherever
-    possible (on a CPU over transposed weights), `off` never."""
+    of the whole forward over a static cache, a ring per sliding layer and Gated DeltaNet states
+    passed through, else of its feed-forward blocks), the draft step following the target: `auto`
+    where the backend's benchmark shows they pay (PyTorch: compiled on CUDA, eager on a CPU; MLX:
+    compiled whole forwards on a CPU; on a CPU in float32, linear weights stored transposed or
+    packed for oneDNN on PyTorch, stored transposed on MLX, whichever is timed fastest at load, if
+    faster than as loaded; on MLX large products also split over the cores if timed faster), `on`
+    wherever possible (on a CPU over transposed weights), `off` never."""
     draft_ahead: Literal["auto", "on", "off"] = "auto"
     """Draft the next block before the host reads this cycle's verification, assuming the whole
     block is accepted (greedy, fixed-width verifiers; kept only when it was): `auto` on GPUs (Metal,

@@ -6,7 +6,6 @@ import contextlib
 import copy
 import hmac
 import json
-import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
