@@ -98,6 +98,33 @@ def test_transposed_products_equal_the_dense_ones(bias):
         np.testing.assert_allclose(np.array(layer(x)), np.array(dense(x)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_expert_products_equal_mlx_lms(bias):
+    """mlx-lm's mixture-of-experts layers (SwitchGLU's three SwitchLinear) stored [experts, in,
+    out]: the same outputs for a step, a block and a prompt (SwitchGLU sorts the tokens by expert
+    from 64 (token, expert) pairs on, so both ``gather_mm`` paths run), and, swapped back, the
+    weights as loaded."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
+
+    from speculant.backends.mlx.layout import TransposedSwitchLinear
+
+    holder = nn.Sequential(nn.Linear(48, 48), SwitchGLU(48, 80, num_experts=6, bias=bias))
+    for name in ("gate_proj", "up_proj", "down_proj") if bias else ():  # mlx-lm starts them at zero
+        layer = getattr(holder.layers[1], name)
+        layer.bias = mx.random.normal(layer.bias.shape, key=mx.random.key(len(name)))
+    loaded = SwitchGLU(48, 80, num_experts=6, bias=bias)
+    loaded.update(holder.layers[1].parameters())
+    assert transpose_linears(holder) == (4, None)
+    glu = holder.layers[1]
+    assert all(type(getattr(glu, name)) is TransposedSwitchLinear for name in ("gate_proj", "up_proj", "down_proj"))
+    for rows in (1, 8, 40):
+        x = mx.random.normal((1, rows, 48), key=mx.random.key(rows))
+        indices = mx.random.randint(0, 6, (1, rows, 2), key=mx.random.key(rows + 1))
+        np.testing.assert_allclose(np.array(glu(x, indices)), np.array(loaded(x, indices)), rtol=1e-5, atol=1e-5)
+    back = glu.down_proj.to_linear()
+    assert type(back) is SwitchLinear and mx.array_equal(back.weight, loaded.down_proj.weight).item()
+
+
 def test_a_tied_head_reads_a_transposed_copy(tmp_path, torch_threads):
     from speculant.testing.tiny import build_tiny_target
 
