@@ -55,3 +55,12 @@ def test_gpu_check_script_runs_its_steps_on_a_cpu(tmp_path, reference_venv):
     ratio = [line for line in out.splitlines() if "speculant dflash / reference dflash (tok/s)" in line]
     assert len(ratio) == 2, out
     assert not list((ref / "lib").glob("python*/site-packages/zz_speculant_torch.pth"))  # left as it was
+
+
+@pytest.mark.mlx
+def test_expert_layout_benchmark_gives_the_same_products():
+    pytest.importorskip("mlx.core")
+    out = run("benchmarks/expert_layout.py", "--experts", "4", "--hidden", "64", "--intermediate", "96",
+              "--rows", "1,8", "--repeats", "1")
+    differences = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "as loaded / transposed" in line]
+    assert len(differences) == 2 and max(differences) <= 1e-4, out
