@@ -47,12 +47,12 @@ class StaticKVCache:
 
     A full-attention layer's buffers grow with the sequence, and position ``p`` is row ``p``. A
     sliding-window layer's (``window``) stop growing at ``window - 1`` plus the widest forward's
-    rows and wrap round: position
-    ``p`` is row ``p % capacity``, written by a scatter. Which position a row holds after a forward
-    follows from the offset alone (the latest one with that residue), so the mask needs no record
-    of what was written. That holds for rows a rejected block left behind too: with at least
-    ``window - 1 + w`` rows after a forward of width ``w``, such a row either is rewritten by the
-    next forward or holds, for every query of it, a position past the query or out of its window.
+    rows and wrap round: position ``p`` is row ``p % capacity``, written by a scatter. Which
+    position a row holds after a forward follows from the offset alone (the latest one with that
+    residue), so the mask needs no record of what was written. That holds for rows a rejected
+    block left behind too: with at least ``window - 1 + w`` rows after a forward of width ``w``,
+    such a row either is rewritten by the next forward or holds, for every query of it, a
+    position past the query or out of its window.
     """
 
     def __init__(self, window: int | None = None) -> None:
