@@ -73,18 +73,6 @@ class TransposedSwitchLinear(nn.Module):
     def weight(self) -> mx.array:
         return self.weight_t.swapaxes(-1, -2)
 
-    @property
-    def input_dims(self) -> int:
-        return self.weight_t.shape[1]
-
-    @property
-    def output_dims(self) -> int:
-        return self.weight_t.shape[2]
-
-    @property
-    def num_experts(self) -> int:
-        return self.weight_t.shape[0]
-
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         x = mx.gather_mm(x, self.weight_t, rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
@@ -93,7 +81,8 @@ class TransposedSwitchLinear(nn.Module):
 
     def to_linear(self) -> SwitchLinear:
         """The ``SwitchLinear`` this was made from."""
-        switch = SwitchLinear(self.input_dims, self.output_dims, self.num_experts, bias="bias" in self)
+        experts, input_dims, output_dims = self.weight_t.shape
+        switch = SwitchLinear(input_dims, output_dims, experts, bias="bias" in self)
         switch.weight = mx.contiguous(self.weight)
         if "bias" in self:
             switch.bias = self.bias
