@@ -91,9 +91,8 @@ class StaticKVCache:
     def fit(self, offset: int, width: int, ring: int) -> None:
         """Room for a forward of ``width`` rows at ``offset``: a full layer grows to hold every
         position, a sliding layer to ``ring`` rows (at least ``window - 1 + width``)."""
-        size = max(self.capacity, capacity_for(offset + width))
-        if self.window is not None:
-            size = min(ring, capacity_for(offset + width))
+        need = capacity_for(offset + width)
+        size = max(self.capacity, need) if self.window is None else min(ring, need)
         if size != self.capacity:
             if self.keys is not None and self.written > min(self.capacity, size):
                 self._relayout(offset, size)
@@ -192,16 +191,18 @@ class StaticForward:
         # every sliding layer gets the same ring, so one mask serves them all (as the models share it);
         # a prompt chunk widens it and the next compiled forward narrows it back
         ring = 0 if self._reach is None else capacity_for(self._reach + max(width, self._widest))
+        sizes = set()
         for c in self.cache:
             if isinstance(c, StaticKVCache):
                 c.fit(offset, width, ring)
+                sizes.add(c.capacity)
         if record:
             for c in self._deltas:
                 c.forget()
         buffers = [a for c in self.cache for a in _arrays(c)]
         first = any(a is None for a in buffers)  # eager: it allocates the buffers and states
         fn = self._compiled_for(capture, record) if compiled and not first else self._eager_for(capture, record)
-        key = (capture, record, width, *sorted({c.capacity for c in self.cache if isinstance(c, StaticKVCache)}))
+        key = (capture, record, width, *sorted(sizes))
         tracing, started = compiled and not first and key not in self._traced, time.perf_counter()
         logits, *rest = fn(ids, mx.array(offset, dtype=mx.int32), *([] if first else buffers))
         if tracing:  # a compiled call returns once traced: the arrays are computed later
