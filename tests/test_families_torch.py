@@ -78,9 +78,10 @@ def greedy(model, ids) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def planted_engine(path, script, mistakes=MISTAKES, **extra):
+def planted_engine(path, script, mistakes=MISTAKES, block_size=None, **extra):
     options = {"script": script, "mistakes": mistakes}
-    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": {"kind": "planted", "options": options}}
+    drafter = {"kind": "planted", "options": options, **({"block_size": block_size} if block_size else {})}
+    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter}
     return load_engine({**config, **extra}, registry=registry_with_planted())
 
 
@@ -163,14 +164,16 @@ SLIDING = ["gemma3_text", "mistral", "gpt_oss", "muse_glimmer"]  # sliding-windo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SLIDING)
-def test_sliding_families_run_compiled_and_equal_transformers(family, reference, name):
-    """``backend.compile: on`` for targets with sliding-window layers: the static cache keeps every
-    row (laid out as full attention), and the model masks each sliding layer itself. Greedy
-    speculation with rejections at every position, rolled back after the window has filled,
-    gives transformers' tokens, and no graph is compiled twice."""
+@pytest.mark.parametrize("name", SLIDING + list(HYBRID))
+def test_families_run_compiled_and_equal_transformers(family, reference, name):
+    """``backend.compile: on`` for every family. Sliding-window layers: the static cache keeps every
+    row (laid out as full attention), and the model masks each sliding layer itself. Gated
+    DeltaNet layers: their states are recorded inside the graphs and put back by a crop
+    (recording_static.py). Greedy speculation with rejections at every position, rolled back after
+    the window has filled, gives transformers' tokens, and no graph is compiled twice. Blocks of 6
+    run the graph of width 8, so every forward's padding is taken back."""
     path, expected = family(name), reference(name)
-    engine = planted_engine(path, [(PROMPTS[k], expected[k]) for k in PROMPTS],
+    engine = planted_engine(path, [(PROMPTS[k], expected[k]) for k in PROMPTS], block_size=6,
                             backend={**BACKEND, "compile": "on"})
     assert engine.target.fast_path.startswith("compiled: widths"), engine.target.fast_path
     seen, deep = set(), 0
@@ -181,6 +184,73 @@ def test_sliding_families_run_compiled_and_equal_transformers(family, reference,
         deep += sum(1 for width, length, removed in cycles if removed and length - width >= WINDOW)
     assert seen == {"position 0", "partway", "whole"} and deep > 0
     assert engine.target._steps.recompiles == 0 and engine.target._on_static
+
+
+@pytest.mark.slow
+def test_hybrid_plain_decoding_runs_compiled_and_takes_its_step_ahead_back(family, reference):
+    """Plain greedy decoding of a Gated DeltaNet hybrid on the compiled path runs the width-1 graph a
+    step ahead. It gives transformers' tokens for both prompts on one engine (a new request starts
+    from zeroed states), and the crop at the end puts back the states from before the step run
+    ahead: they equal an eager prefill's of everything up to the last token."""
+    path, expected = family("qwen3_5"), reference("qwen3_5")
+    engine = load_engine({"backend": {**BACKEND, "compile": "on"}, "target": {"path": str(path)}})
+    target = engine.target
+    assert target.fast_path.startswith("compiled: widths 1;"), target.fast_path
+    eager = load_engine({"backend": BACKEND, "target": {"path": str(path)}}).target
+    for key, ids in PROMPTS.items():
+        result = engine.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        assert result.token_ids == expected[key], key
+        context = ids + result.token_ids[:-1]
+        assert target.cache_length == len(context)
+        eager.reset()
+        eager.prefill(context)
+        linear = [i for i, kind in enumerate(target.info.layer_types) if kind == "linear_attention"]
+        for index in linear:
+            compiled_layer, eager_layer = target._static.cache.layers[index], eager.cache.layers[index]
+            kernel = compiled_layer.conv_states[0].shape[-1]
+            for got, want in ((compiled_layer.recurrent_states[0], eager_layer.recurrent_states[0]),
+                              (compiled_layer.conv_states[0], eager_layer.conv_states[0][..., -kernel:])):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert target._steps.recompiles == 0
+
+
+@pytest.mark.slow
+def test_a_hybrid_grows_its_static_cache_and_finishes_eager_when_a_compile_fails(family, reference, monkeypatch):
+    """A static cache of 16 rows grows as the request goes (its states copied to the larger one);
+    the first growth's compile is refused, so the request finishes eagerly over the static cache,
+    recording through the eager path. Tokens stay transformers', and the next request runs on the
+    eager RollbackCache."""
+    from speculant.backends.torch import compiled
+
+    path, expected = family("qwen3_5"), reference("qwen3_5")
+    monkeypatch.setattr(compiled, "CPU_STATIC_ROWS", 16)
+    engine = planted_engine(path, [(PROMPTS[k], expected[k]) for k in PROMPTS], block_size=6,
+                            backend={**BACKEND, "compile": "on"})
+
+    def refused(*args, **kwargs):
+        def graph(*args, **kwargs):
+            raise RuntimeError("refused by the test")
+        return graph
+
+    monkeypatch.setattr(compiled.torch, "compile", refused)
+    result, cycles = run_recorded(engine, PROMPTS["short"])
+    assert result.token_ids == expected["short"]
+    assert engine.target.fast_path.startswith("eager: compiling failed (RuntimeError: refused by the test)")
+    assert engine.target._static.rows >= len(PROMPTS["short"]) + NEW and {"position 0", "partway"} <= kinds(cycles)
+    assert engine.run(prompt_ids=PROMPTS["long"], max_new_tokens=NEW, ignore_eos=True).token_ids == expected["long"]
+    assert not engine.target._on_static
+
+
+@pytest.mark.slow
+def test_a_compiled_crop_deeper_than_the_last_forward_is_refused(family):
+    engine = planted_engine(family("qwen3_5"), [], backend={**BACKEND, "compile": "on"})
+    target, backend = engine.target, engine.backend
+    target.reset()
+    target.prefill(PROMPTS["long"])
+    target.forward(backend.int_array([1, 2, 3]))
+    with pytest.raises(RuntimeError, match="recorded for the last forward only"):
+        target.crop(len(PROMPTS["long"]) - 1)
+    target.crop(len(PROMPTS["long"]))  # back to before the block: allowed
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -66,16 +66,33 @@ def test_auto_does_not_compile_on_cpu_and_says_what_it_does(pair):
     assert stats.fast_path == engine.target.fast_path
 
 
-def test_hybrid_target_falls_back_to_eager_with_the_reason(tmp_path, torch_threads):
+@pytest.mark.slow
+def test_hybrid_target_compiles_and_equals_eager(tmp_path, torch_threads):
+    """A Gated DeltaNet hybrid compiles (its states recorded in the graphs, recording_static.py)
+    and decodes as the eager path does. Losslessness with rollbacks: test_families_torch.py."""
     from speculant.testing.tiny_families import build_tiny_family
 
     path = build_tiny_family(tmp_path / "hybrid", "qwen3_5")
     on = speculant.load_engine(config(path, compile="on"))
     off = speculant.load_engine(config(path, compile="off"))
-    assert on.target.fast_path.startswith("eager: linear_attention layers (Gated DeltaNet) are not compiled")
+    assert on.target.fast_path.startswith("compiled: widths 1;"), on.target.fast_path
     result = on.run(prompt_ids=PROMPTS["short"], max_new_tokens=12, ignore_eos=True)
     assert result.stats.fast_path == on.target.fast_path
     assert result.token_ids == off.run(prompt_ids=PROMPTS["short"], max_new_tokens=12, ignore_eos=True).token_ids
+
+
+def test_linear_layers_whose_states_cannot_be_recorded_stay_eager_with_the_reason(tmp_path, torch_threads):
+    from speculant.backends.torch.compiled import compile_problem
+    from speculant.testing.tiny_families import build_tiny_family
+
+    target = speculant.load_engine(config(build_tiny_family(tmp_path / "hybrid", "qwen3_5"), compile="off")).target
+    kinds = target.info.layer_types
+    linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+    assert compile_problem(target.model, kinds, set(linear)) is None
+    said = compile_problem(target.model, kinds, set(linear[1:]))
+    assert said == (f"linear_attention layers [{linear[0]}] are not compiled: their delta rule is not one whose "
+                    "per-position states speculant records")
+    assert compile_problem(target.model, ["full_attention", "mamba"], set()).startswith("mamba layers are not compiled")
 
 
 @pytest.mark.slow

@@ -37,9 +37,16 @@ Sliding-window layers are compiled over a static cache laid out as full attentio
 (:func:`full_attention_cache_config`): every row is kept at its position, so a rollback still only
 moves the write position, and the model masks each sliding layer over those positions itself. A
 long request attends over more rows than the window, masked; on a GPU that is cheap next to the
-launches saved. Not compiled (the target stays on the eager RollbackCache path, and ``fast_path``
-says why): Gated DeltaNet layers, whose rollback needs per-position recurrent states
-(``rollback.py``), and any target whose compilation fails.
+launches saved.
+
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next) keep their conv and recurrent states in the static
+cache too; the forward also records them before and after each of its positions, and a crop puts
+back those after the accepted ones (``recording_static.py``). A padded graph's padding rows pass
+through the recurrence, so their effect is taken back right after the forward.
+
+Not compiled (the target stays on the eager RollbackCache path, and ``fast_path`` says why): other
+layer kinds, linear-attention layers whose delta rule ``rollback.install_recording`` does not
+reach, and any target whose compilation fails.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ import types
 from typing import Callable
 
 import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from speculant.backends.torch.rollback import ROLLBACK
 
 # Where ``backend.compile = "auto"`` compiles. Measured on the shipped 5M-parameter pair on the
 # project's shared 2-core CPU (benchmarks/compile_torch.py --threads 1, bf16, 96 new tokens, medians
@@ -59,7 +69,7 @@ import torch
 # "on" is the choice for long-lived engines. "auto" compiles where launches dominate a small
 # model's forward and CUDA graphs remove them: CUDA (not measured here; no GPU was available).
 AUTO_DEVICES = ("cuda",)
-COMPILED_LAYER_KINDS = ("full_attention", "sliding_attention")
+COMPILED_LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 # Rows preallocated per layer: at most the target's context window and MAX_STATIC_ROWS (a request
 # that grows past that finishes on the eager path). Every step attends over all rows, masked, which
 # on a CPU costs more than the compiled graph saves once the rows far outnumber the used ones: a
@@ -70,20 +80,34 @@ MAX_STATIC_ROWS = 4096
 CPU_STATIC_ROWS = 256
 
 
-def compile_problem(model: torch.nn.Module, layer_types) -> str | None:
-    """Why ``model``'s forwards cannot run compiled over a static cache, or None."""
-    kinds = sorted(set(layer_types or ("full_attention",)) - set(COMPILED_LAYER_KINDS))
+def compile_problem(model: torch.nn.Module, layer_types, recorded: set[int]) -> str | None:
+    """Why ``model``'s forwards cannot run compiled over a static cache, or None. ``recorded``: the
+    linear-attention layers whose per-position states ``rollback.install_recording`` reaches."""
+    layer_types = list(layer_types or ("full_attention",))
+    kinds = sorted(set(layer_types) - set(COMPILED_LAYER_KINDS))
     if kinds:
-        names = {"linear_attention": "linear_attention layers (Gated DeltaNet)"}
-        what = ", ".join(names.get(kind, f"{kind} layers") for kind in kinds)
+        what = ", ".join(f"{kind} layers" for kind in kinds)
         return f"{what} are not compiled: their rollback needs the eager RollbackCache"
-    from transformers import StaticCache
-
+    unreached = [i for i, kind in enumerate(layer_types) if kind == "linear_attention" and i not in recorded]
+    if unreached:
+        return (f"linear_attention layers {unreached} are not compiled: their delta rule is not one whose "
+                "per-position states speculant records")
     try:
-        StaticCache(config=full_attention_cache_config(model.config), max_cache_len=8)
+        cache_class(layer_types)(config=full_attention_cache_config(model.config), max_cache_len=8)
     except Exception as exc:  # a config transformers builds no static cache for
         return f"transformers builds no static cache for {type(model).__name__}: {exc}"
     return None
+
+
+def cache_class(layer_types) -> type:
+    """transformers' StaticCache, or, with Gated DeltaNet layers, one that records their states."""
+    if "linear_attention" in (layer_types or ()):
+        from speculant.backends.torch.recording_static import RecordingStaticCache
+
+        return RecordingStaticCache
+    from transformers import StaticCache
+
+    return StaticCache
 
 
 def wants_compile(setting: str, device: torch.device) -> bool:
@@ -108,41 +132,88 @@ def full_attention_cache_config(config):
 
     text = copy.copy(config.get_text_config(decoder=True))
     if getattr(text, "layer_types", None):
-        text.layer_types = ["full_attention"] * len(text.layer_types)
+        text.layer_types = ["linear_attention" if kind == "linear_attention" else "full_attention"
+                            for kind in text.layer_types]
     text.sliding_window = None
     return text
 
 
 class StaticKV:
-    """transformers' StaticCache with a host-side length and a rollback that only moves the write position."""
+    """transformers' StaticCache with a host-side length and a rollback that only moves the write
+    position, and for Gated DeltaNet layers puts back their recorded states (recording_static.py)."""
 
-    def __init__(self, config, rows: int) -> None:
-        from transformers import StaticCache
+    def __init__(self, config, rows: int, widest: int | None = None) -> None:
+        from speculant.backends.torch.recording_static import RECORDED_WIDTH
 
-        self.cache = StaticCache(config=full_attention_cache_config(config), max_cache_len=rows)
+        layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+        self.recording = "linear_attention" in (layer_types or ())  # Gated DeltaNet layers: states recorded
+        self.widest = (widest or RECORDED_WIDTH) if self.recording else None
+        extra = {"widest": self.widest} if self.recording else {}
+        self.cache = cache_class(layer_types)(config=full_attention_cache_config(config), max_cache_len=rows, **extra)
         self.rows = rows
         self.length = 0
+        # (start, padded width) of the last forward whose Gated DeltaNet states are recorded; after a
+        # prompt chunk (its end, 0): a crop never goes back past it
+        self.recorded: tuple[int, int] | None = None
 
     @torch.inference_mode()
     def set_length(self, length: int) -> None:
         for layer in self.cache.layers:
-            if layer.is_initialized:
+            if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(length)  # in place: the graphs read it at a fixed address
         self.length = length
+
+    @torch.inference_mode()
+    def restart(self) -> None:
+        """Position 0 for a new request: old rows are masked, then overwritten; recurrent states zeroed."""
+        self.set_length(0)
+        self.recorded = None
+        if self.recording:
+            self.cache.restart()
 
     def fits(self, width: int) -> bool:
         return self.length + width <= self.rows
 
-    def grown(self, config, rows: int) -> "StaticKV":
-        """A larger static cache holding this one's rows."""
-        bigger = StaticKV(config, rows)
+    def records(self, width: int) -> bool:
+        """Whether a forward of ``width`` rows fits the Gated DeltaNet record (no such layers: always)."""
+        return self.widest is None or width <= self.widest
+
+    def recorded_forward(self, start: int, padded: int, width: int) -> None:
+        """A forward of ``width`` tokens (run as ``padded``) wrote rows from ``start``: its padding's
+        effect on the recurrent states is taken back at once."""
+        self.recorded = (start, padded)
+        if self.recording and width < padded:
+            self.cache.roll_back_to(width)
+
+    @torch.inference_mode()
+    def crop(self, length: int) -> None:
+        """Roll back to ``length`` positions, at most the last recorded forward's with Gated DeltaNet layers."""
+        length = min(length, self.length)
+        if self.recording and length < self.length:
+            start, padded = self.recorded or (self.length, 0)
+            if length < start:
+                raise RuntimeError(f"cannot roll back to {length} positions: the Gated DeltaNet states are "
+                                   f"recorded for the last forward only, from position {start}")
+            if not ROLLBACK.keep_whole_block:
+                self.cache.roll_back_to(length - start)
+        self.set_length(length)
+
+    def grown(self, config, rows: int, widest: int | None = None) -> "StaticKV":
+        """A larger static cache (or one recording wider forwards) holding this one's rows."""
+        bigger = StaticKV(config, rows, widest or self.widest)
         self.copy_into(bigger.cache)
         bigger.length = self.length
+        bigger.recorded = (self.length, 0)  # the new cache holds no record: nothing before this is undone
         return bigger
 
     def copy_into(self, cache) -> None:
-        """Append this cache's first ``length`` rows to an empty (dynamic or static) ``cache``."""
+        """Append this cache's first ``length`` rows, and its linear layers' states, to an empty
+        (dynamic or static) ``cache``."""
         for index, layer in enumerate(self.cache.layers if self.length else ()):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                cache.update_conv_state(layer.conv_states[0].clone(), index, conv_kernel_size=layer.conv_states[0].shape[-1])
+                cache.update_recurrent_state(layer.recurrent_states[0].clone(), index)
+                continue
             keys, values = layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
             cache.update(keys.clone(), values.clone(), index)
 

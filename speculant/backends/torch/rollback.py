@@ -26,7 +26,9 @@ then it runs :func:`recurrent_with_states` (the token loop, on CPU) or
 the loop's small kernel launches would dominate) and hands the per-position states to that cache. The
 layer next calls ``cache.update_recurrent_state(final_state, layer_idx)``, which files them under
 the layer. A crop that must roll back a linear layer for which no states were filed (another
-kernel ran, an unknown family) raises instead of leaving a wrong state behind.
+kernel ran, an unknown family) raises instead of leaving a wrong state behind. On the compiled
+path the wrapper hands the states to ``recording_static.RecordingStaticCache`` instead, and finds it
+through :data:`COMPILED` while a graph is traced (dynamo cannot read the ContextVar).
 
 Memory: while a block is verified, ``block × state`` float32 per linear layer, e.g. a 16-token
 block of a model with 32 value heads of 128 × 128 keeps 16 × 2 MiB = 32 MiB per linear layer
@@ -54,6 +56,32 @@ DELTA_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule
 _VERIFYING: ContextVar["RollbackCache | None"] = ContextVar("speculant_verifying_cache", default=None)
 
 
+class _Compiled:
+    """The cache a compiled forward records into (``recording_static.py``): dynamo cannot read a
+    ContextVar, so a compiled graph reads this attribute instead (and guards on it)."""
+
+    cache = None
+
+
+COMPILED = _Compiled()
+
+
+def _recording_cache():
+    return COMPILED.cache if torch.compiler.is_compiling() else _VERIFYING.get()
+
+
+@contextmanager
+def recording_into(cache) -> Iterator[None]:
+    """Hand the per-position recurrent states of the forward run inside, eager or compiled, to ``cache``."""
+    token, previous = _VERIFYING.set(cache), COMPILED.cache
+    COMPILED.cache = cache
+    try:
+        yield
+    finally:
+        _VERIFYING.reset(token)
+        COMPILED.cache = previous
+
+
 class RollbackCache(DynamicCache):
     """A DynamicCache with past recording that rolls back to any prefix of the last block."""
 
@@ -68,11 +96,10 @@ class RollbackCache(DynamicCache):
     def verifying(self) -> Iterator[None]:
         """Keep the per-position recurrent states of the forward run inside."""
         self.block_states.clear()
-        token = _VERIFYING.set(self)
         try:
-            yield
+            with recording_into(self):
+                yield
         finally:
-            _VERIFYING.reset(token)
             self._handed = None
 
     def hand_over(self, states: list[torch.Tensor]) -> None:
@@ -159,15 +186,14 @@ def install_recording(model: torch.nn.Module) -> set[int]:
 def _recording(original: Callable, l2norm: Callable) -> Callable:
     @functools.wraps(original)
     def delta_rule(query, key, value, *args, **kwargs):
-        cache = _VERIFYING.get()
         initial_state = kwargs.get("initial_state")
         plain = (
-            cache is None
+            query.shape[1] < 2
+            or (cache := _recording_cache()) is None
             or args
             or initial_state is None
             or not kwargs.get("output_final_state")
             or kwargs.get("cu_seqlens") is not None
-            or query.shape[1] < 2
         )
         if plain:
             return original(query, key, value, *args, **kwargs)

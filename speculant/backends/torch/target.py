@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -12,7 +13,7 @@ from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, Stat
 from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
-from speculant.backends.torch.rollback import RollbackCache, install_recording
+from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
 from speculant.core.interfaces import TargetModel
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -78,7 +79,7 @@ class TorchTarget(TargetModel):
         self.backend = backend
         self._cache_cls = RollbackCache
         self.cache = RollbackCache(config=model.config)
-        install_recording(model)
+        self._recorded_layers = install_recording(model)  # Gated DeltaNet layers whose states a rollback can reach
         _, layers, norm = decoder_parts(model)
         self._recorder = _Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
@@ -97,7 +98,7 @@ class TorchTarget(TargetModel):
         and on a CPU the linear weights' layout (layouts.py); otherwise say why the forwards stay eager."""
         device = self.model.device
         compiling = wants_compile(setting, device)
-        problem = compile_problem(self.model, self.info.layer_types) if compiling else None
+        problem = compile_problem(self.model, self.info.layer_types, self._recorded_layers) if compiling else None
         if setting != "off" and device.type == "cpu":
             self.layout, said = layouts.lay_out(self.model, self.backend.dtype,
                                                 packable=not compiling or problem is not None)
@@ -146,7 +147,7 @@ class TorchTarget(TargetModel):
     def reset(self) -> None:
         self._on_static = self._steps is not None and self._steps.failure is None
         if self._on_static:
-            self._static.set_length(0)  # rows left by the last request are masked, then overwritten
+            self._static.restart()
         else:
             self.cache = self._cache_cls(config=self.model.config)
 
@@ -175,21 +176,32 @@ class TorchTarget(TargetModel):
         return out.logits[0], features, final
 
     @torch.inference_mode()
-    def _run_static(self, ids: torch.Tensor, capture: Capture, compiled: bool, logits_to_keep: int = 0) -> ForwardOutput:
+    def _run_static(self, ids: torch.Tensor, capture: Capture, compiled: bool, prompt: bool = False) -> ForwardOutput:
+        """A forward over the static cache: a prompt chunk (eager, its last logits only), or a
+        verify block / decode step, compiled or not, whose Gated DeltaNet states are recorded."""
+        static, width, start = self._static, int(ids.shape[0]), self._static.length
+        static.cache.recording = static.recording and not prompt
         try:
-            if compiled:
-                logits, features, final = self._steps(ids, capture)
-            else:
-                logits, features, final = self._static_step(ids[None, :], capture, logits_to_keep)
+            with recording_into(static.cache) if static.cache.recording else contextlib.nullcontext():
+                if compiled:
+                    logits, features, final = self._steps(ids, capture)
+                else:
+                    logits, features, final = self._static_step(ids[None, :], capture, 1 if prompt else 0)
         except CompileFailed:  # this request finishes eager over the static cache, later ones on a RollbackCache
             self._recorder.finish(Capture())
-            self._static.set_length(self._static.length)  # the write position as before the failed call
-            return self._run_static(ids, capture, compiled=False)
+            static.set_length(start)  # the write position as before the failed call
+            return self._run_static(ids, capture, compiled=False, prompt=prompt)
         except BaseException:  # e.g. Ctrl-C inside the forward: stop recording, keep the original error
             self._recorder.finish(Capture())
             raise
+        finally:
+            static.cache.recording = False
         # the write position after this block's own rows (a padded graph moved it past its padding)
-        self._static.set_length(self._static.length + int(ids.shape[0]))
+        static.set_length(start + width)
+        if prompt:
+            static.recorded = (start + width, 0)  # a prompt chunk is never undone
+        else:
+            static.recorded_forward(start, self._steps.padded_width(width) if compiled else width, width)
         return ForwardOutput(logits=logits, features=features, final_hidden=final)
 
     def _outgrown(self, width: int) -> None:
@@ -199,8 +211,9 @@ class TorchTarget(TargetModel):
         while rows < self._max_rows and self._static.length + width > rows:
             rows = min(2 * rows, self._max_rows)
         if self._static.length + width <= rows:
+            widest = max(width, self._static.widest) if self._static.widest else None  # recorded forwards
             with torch.inference_mode():
-                self._static = self._static.grown(self.model.config, rows)
+                self._static = self._static.grown(self.model.config, rows, widest)
             self._steps.forget_graphs()
             return
         self.cache = self._cache_cls(config=self.model.config)
@@ -213,7 +226,7 @@ class TorchTarget(TargetModel):
         if self._on_static and not self._static.fits(len(ids)):
             self._outgrown(len(ids))
         if self._on_static:
-            return self._run_static(ids, capture, compiled=False, logits_to_keep=1)  # prompt lengths vary: eager
+            return self._run_static(ids, capture, compiled=False, prompt=True)  # prompt lengths vary: eager
         out = self._run(ids, capture, logits_to_keep=1)
         self.cache.rollback(0)  # sliding / convolution buffers back to what the next forward needs
         return out
@@ -221,7 +234,7 @@ class TorchTarget(TargetModel):
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
         """Verify a block: the cache keeps what a crop to any prefix of it needs (see rollback.py)."""
         width = self._steps.padded_width(int(token_ids.shape[0])) if self._on_static else 0
-        if self._on_static and not self._static.fits(width):
+        if self._on_static and not (self._static.fits(width) and self._static.records(width)):
             self._outgrown(width)
         if self._on_static:
             return self._run_static(token_ids, capture, compiled=self._steps.failure is None)
@@ -255,7 +268,7 @@ class TorchTarget(TargetModel):
         """Roll back to the first ``length`` positions (at most the last block); also trims the
         sliding-window and convolution buffers, so it follows every forward."""
         if self._on_static:
-            self._static.set_length(min(length, self._static.length))
+            self._static.crop(length)
             return
         self.cache.rollback(max(0, self.cache_length - length))
 
