@@ -152,3 +152,75 @@ def test_seeded_sampling_matches_torch(pair, sample_drafts):
             for kind in ("torch", "mlx")}
     assert runs["mlx"].token_ids == runs["torch"].token_ids
     assert runs["mlx"].stats.acceptance_lengths == runs["torch"].stats.acceptance_lengths
+
+
+@pytest.mark.parametrize("layout", ["qwen", "deepseek"])
+def test_compiled_steps_draft_what_eager_steps_draft(pair, layout):
+    """Where the target's whole forward runs compiled (``backend.compile: auto`` on a CPU), the MTP
+    steps run compiled too (mlx_compiled.py). Every cycle's drafts, the acceptance lengths and the
+    tokens equal the eager steps' (``compile: off``), over a request that grows the buffers several
+    times and crops rejected drafts every cycle."""
+    target, folder = pair["target"], pair["folders"][layout]
+    compiled = pair["engines"]["mlx", layout]
+    assert compiled.drafter.fast_path.startswith("compiled MTP steps"), compiled.drafter.fast_path
+    eager = speculant.load_engine({**config("mlx", target, folder), "backend": {"kind": "mlx", "device": "cpu",
+                                                                                 "dtype": "float32", "compile": "off"}})
+    assert eager.drafter.net.compiled is None
+    runs = []
+    for engine in (compiled, eager):
+        drafts, propose = [], engine.drafter.propose
+
+        def recording(request, propose=propose, drafts=drafts):
+            draft = propose(request)
+            drafts.append(engine.backend.ops.to_list(draft.token_ids))
+            return draft
+
+        engine.drafter.propose = recording
+        try:
+            result = engine.run(prompt_ids=pair["cycle"][:5] + [30, 31], max_new_tokens=200, ignore_eos=True, block_size=4)
+        finally:
+            del engine.drafter.propose
+        runs.append((drafts, result.stats.acceptance_lengths, result.token_ids))
+    assert runs[0] == runs[1]
+    assert 0 < sum(a < 3 for a in runs[0][1]) < len(runs[0][1])  # drafts partly rejected: crops happened
+    assert compiled.drafter.net.compiled.arrays(0)[0].shape[2] > 64  # the buffers grew
+
+
+def test_compiled_steps_after_fully_rejected_blocks(pair):
+    """In a 2-layer chain, layer 0 drafts at ``b + 2`` and does not hold ``b + 1``. A rejected
+    block's draft that layer 0 wrote at what becomes ``b + 1`` must not be seen by the next cycle's
+    draft there: every logits row the compiled steps give equals the eager steps' over cycles that
+    commit one token each."""
+    target, folder = pair["target"], pair["folders"]["deepseek"]
+    eager = speculant.load_engine({**config("mlx", target, folder), "backend": {"kind": "mlx", "device": "cpu",
+                                                                                 "dtype": "float32", "compile": "off"}})
+    compiled = pair["engines"]["mlx", "deepseek"]
+    assert compiled.drafter.net.compiled is not None and eager.drafter.net.compiled is None
+    rows = []
+    for engine in (compiled, eager):
+        t, d, ops = engine.target, engine.drafter, engine.backend.ops
+        capture, seen, logits = d.info.capture, [], d.net.logits
+
+        def recording(hidden, logits=logits, seen=seen):
+            out = logits(hidden)
+            seen.append(np.array(out))
+            return out
+
+        d.net.logits = recording
+        try:
+            ids = list(pair["cycle"][:6])
+            t.reset()
+            d.prefill(ids[:-1], t.prefill(ids[:-1], capture), ids[-1])
+            anchor, position = ids[-1], len(ids) - 1
+            for _ in range(6):
+                draft = ops.to_list(d.propose(DraftRequest(anchor, position, 3)).token_ids)
+                out = t.forward(engine.backend.int_array([anchor]), capture)
+                t.crop(position + 1)
+                anchor, position = (draft[0] + 1) % 64, position + 1  # every draft rejected
+                d.commit(out, 1, [anchor])
+        finally:
+            del d.net.logits
+        rows.append(seen)
+    assert len(rows[0]) == len(rows[1]) == 18
+    for got, want in zip(*rows):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -15,3 +15,8 @@ def capacity_for(rows: int) -> int:
     """Buffer rows for ``rows`` rows."""
     step = max(STEP, (1 << (max(rows, 1).bit_length() - 1)) // 8)
     return -(-rows // step) * step
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to a power of two: the row bucket of a compiled step."""
+    return 1 << (n - 1).bit_length()

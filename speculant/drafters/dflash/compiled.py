@@ -41,7 +41,8 @@ import types
 
 import torch
 
-from speculant.drafters.dflash.context import FIRST_ROWS, padded
+from speculant.core.buffers import padded
+from speculant.drafters.dflash.context import FIRST_ROWS
 from speculant.drafters.dflash.visibility import keep_by_distance
 
 

@@ -14,11 +14,6 @@ from speculant.core.types import Array
 FIRST_ROWS = 256  # a compiled draft step's first buffer rows (they double as a request needs)
 
 
-def padded(n: int) -> int:
-    """``n`` rounded up to a power of two: a compiled draft step's context bucket."""
-    return 1 << (n - 1).bit_length()
-
-
 Allocate = Callable[[Array, int], Array]
 """``allocate(like, rows)``: an uninitialised buffer shaped like ``like`` with ``rows`` rows."""
 

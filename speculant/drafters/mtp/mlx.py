@@ -70,7 +70,17 @@ class LayerCache:
         self.k[:, :, start:need] = k
         self.v[:, :, start:need] = v
         self.positions.extend(int(p) for p in positions)
-        return self.k[:, :, :need], self.v[:, :, :need], self.positions
+        return self.k[:, :, :need], self.v[:, :, :need]
+
+    def start(self, positions: Sequence[int]) -> int:
+        """The first position of the rows being run (their RoPE offset)."""
+        return positions[0]
+
+    def mask(self, positions: Sequence[int]) -> mx.array | None:
+        """Causal keep-mask of ``positions`` over the cached rows; None for one row (it comes after every one)."""
+        if len(positions) == 1:
+            return None
+        return mx.array(np.asarray(self.positions)[None, :] <= np.asarray(positions)[:, None])
 
     def crop(self, length: int) -> None:
         del self.positions[length:]
@@ -86,16 +96,13 @@ class RoPE:
             inv_freq, self.scale = rope_frequencies(cfg)
             self.base, self.freqs = None, mx.array(1.0 / inv_freq)
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         out = mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=1.0, offset=offset, freqs=self.freqs)
         return out if self.scale == 1.0 else out * self.scale
 
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, positions: list[int], key_pos: list[int], scale: float) -> mx.array:
-    """Causal attention of q [1, heads, n, d] over the cache; returns [n, heads, dv]."""
-    mask = None
-    if q.shape[2] > 1:  # a single row always comes after every cached position
-        mask = mx.array(np.asarray(key_pos)[None, :] <= np.asarray(positions)[:, None])
+def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None, scale: float) -> mx.array:
+    """Attention of q [1, heads, n, d] over the cache under ``mask``; returns [n, heads, dv]."""
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)[0].transpose(1, 0, 2)
 
 
@@ -128,11 +135,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).reshape(n, self.kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rope(q.transpose(1, 0, 2)[None], positions[0])
-        k = self.rope(k.transpose(1, 0, 2)[None], positions[0])
+        offset = cache.start(positions)
+        q = self.rope(q.transpose(1, 0, 2)[None], offset)
+        k = self.rope(k.transpose(1, 0, 2)[None], offset)
         v = self.v_proj(x).reshape(n, self.kv_heads, hd).transpose(1, 0, 2)[None]
-        keys, values, key_pos = cache.append(k, v, positions)
-        out = attend(q, keys, values, positions, key_pos, self.scale).reshape(n, self.heads * hd)
+        keys, values = cache.append(k, v, positions)
+        out = attend(q, keys, values, cache.mask(positions), self.scale).reshape(n, self.heads * hd)
         if gate is not None:
             out = out * mx.sigmoid(gate)
         return self.o_proj(out)
@@ -166,11 +174,12 @@ class LatentAttention(nn.Module):
         latent, k_rot = kv_a[:, : m.kv_lora_rank], kv_a[:, m.kv_lora_rank:]
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(n, nh, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 0, 2)[None]
         k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
-        k_rot = self.rope(k_rot[None, None], positions[0])  # one rotary key shared by every head
-        q = mx.concatenate([q_nope, self.rope(q_rot, positions[0])], axis=-1)
+        offset = cache.start(positions)
+        k_rot = self.rope(k_rot[None, None], offset)  # one rotary key shared by every head
+        q = mx.concatenate([q_nope, self.rope(q_rot, offset)], axis=-1)
         k = mx.concatenate([k_nope, mx.broadcast_to(k_rot, (1, nh, n, m.qk_rope_head_dim))], axis=-1)
-        keys, values, key_pos = cache.append(k, v, positions)
-        out = attend(q, keys, values, positions, key_pos, self.scale)
+        keys, values = cache.append(k, v, positions)
+        out = attend(q, keys, values, cache.mask(positions), self.scale)
         return self.o_proj(out.reshape(n, nh * m.v_head_dim))
 
 
@@ -293,25 +302,43 @@ class MLXMTPNetwork:
         self.dtype = dtype
         self.fast_path = target.prepare_draft(model) or "eager"  # transposed weights where the target's are
         self.caches = [LayerCache() for _ in range(self.cfg.num_layers)]
+        self.compiled = None  # a CompiledMTP (mlx_compiled.py) once compile_steps is called
+
+    def compile_steps(self) -> None:
+        """Run the MTP steps compiled (mlx_compiled.py)."""
+        from speculant.drafters.mtp.mlx_compiled import COMPILED_ROWS, CompiledMTP
+
+        self.compiled = CompiledMTP(self.model)
+        self.fast_path = f"compiled MTP steps (mx.compile per layer, up to {COMPILED_ROWS} rows)" + \
+            ("" if self.fast_path == "eager" else f"; {self.fast_path.removeprefix('eager; ')}")
 
     def reset(self) -> None:
         self.caches = [LayerCache() for _ in range(self.cfg.num_layers)]
+        if self.compiled is not None:
+            self.compiled.reset()
 
     def run(self, layer: int, hidden, token_ids, positions: Sequence[int]):
         positions = [int(p) for p in positions]
         if positions != list(range(positions[0], positions[0] + len(positions))):
             raise ValueError(f"MLX MTP steps need contiguous positions, got {positions}")
         embedded = self.target.embed(token_ids).astype(self.dtype)
+        if self.compiled is not None:
+            pre, post = self.compiled.run(layer, embedded, hidden.astype(self.dtype), positions)
+            mx.async_eval(pre, post, *self.compiled.arrays(layer))
+            return pre, post
         cache = self.caches[layer]
         pre, post = self.model.step(layer, embedded, hidden.astype(self.dtype), positions, cache)
         mx.async_eval(pre, post, cache.k, cache.v)  # keeps the lazy graph of the cache short
         return pre, post
 
     def cache_length(self, layer: int) -> int:
-        return self.caches[layer].length
+        return self.caches[layer].length if self.compiled is None else self.compiled.cache_length(layer)
 
     def crop(self, layer: int, length: int) -> None:
-        self.caches[layer].crop(length)
+        if self.compiled is None:
+            self.caches[layer].crop(length)
+        else:
+            self.compiled.crop(layer, length)
 
     def logits(self, hidden) -> mx.array:
         return self.target.lm_head(hidden).astype(mx.float32)
@@ -351,4 +378,7 @@ def load_mlx_network(cfg: MTPConfig, backend, target) -> MLXMTPNetwork:
     model.set_dtype(backend.dtype)
     model.eval()
     mx.eval(model.parameters())
-    return MLXMTPNetwork(model, target, backend.dtype)
+    network = MLXMTPNetwork(model, target, backend.dtype)
+    if getattr(target, "compiles_whole", False):  # the steps compile where the target's whole forward does
+        network.compile_steps()
+    return network
