@@ -18,6 +18,8 @@
 #                  is used as it is).
 # Environment: PYTHON (default python3), REPEATS (3), MAX_NEW (64), COMPILE (auto), DTYPE (float32),
 # SPECULANT_GPU_VENV, SPECULANT_REF_VENV. Every other argument goes to fast_path.py.
+# FAMILY (unset): also run a mid pair of that tiny family (e.g. qwen3_5, a Gated DeltaNet hybrid
+# compiled with its states recorded in the graphs), --compile auto,off, after the main run.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -90,4 +92,10 @@ SPECULANT_REF_VENV="$REF" "$PY" benchmarks/fast_path.py --backend torch --device
     --dtype "${DTYPE:-float32}" --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW:-64}" \
     --compile "${COMPILE:-auto}" --draft-ahead "${DRAFT_AHEAD:-auto,off}" --verifier "${VERIFIER:-auto,adaptive}" \
     --pairs shipped,mid --hidden 1536 --layers 8 "${PASS[@]}"
+if [[ -n "${FAMILY:-}" ]]; then
+    log "the $FAMILY mid pair"
+    SPECULANT_REF_VENV="$REF" "$PY" benchmarks/fast_path.py --backend torch --device "$DEVICE" \
+        --dtype "${DTYPE:-float32}" --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW:-64}" \
+        --compile auto,off --pairs mid --family "$FAMILY" --hidden 1024 --layers 8 "${PASS[@]}"
+fi
 log "done in $(( $(date +%s) - START )) s"

@@ -39,21 +39,21 @@ def test_cpu_layouts_benchmark_prints_every_layout():
 def test_gpu_check_script_runs_its_steps_on_a_cpu(tmp_path, reference_venv):
     """benchmarks/gpu_check.sh has had no GPU to run on: its steps (the reference environment's
     check, the device check, the benchmark with the reference loop) run here on a CPU, at smoke
-    size, against the reference venv the parity tests use."""
+    size, against the reference venv the parity tests use, with a Qwen3.5 hybrid's mid pair too."""
     import os
 
     ref = Path(reference_venv).parents[1]  # <venv>/bin/python
-    env = {**os.environ, "SPECULANT_REF_VENV": str(ref), "XDG_CACHE_HOME": str(tmp_path),
+    env = {**os.environ, "SPECULANT_REF_VENV": str(ref), "XDG_CACHE_HOME": str(tmp_path), "FAMILY": "qwen3_5",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--device", "cpu", "--no-install", "--small"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "[gpu_check] reference: torch" in out and "[gpu_check] device cpu" in out, out
-    assert "torch / shipped" in out and "torch / mid" in out
-    assert out.count("identical tokens across arms: True") == 2, out
+    assert "torch / shipped" in out and out.count("torch / mid") == 2 and "qwen3_5" in done.stderr
+    assert out.count("identical tokens across arms: True") == 3, out
     ratio = [line for line in out.splitlines() if "speculant dflash / reference dflash (tok/s)" in line]
-    assert len(ratio) == 2, out
+    assert len(ratio) == 3, out
     assert not list((ref / "lib").glob("python*/site-packages/zz_speculant_torch.pth"))  # left as it was
 
 

@@ -146,9 +146,9 @@ class StaticKV:
         from speculant.backends.torch.recording_static import RECORDED_WIDTH
 
         layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
-        self.recording = "linear_attention" in (layer_types or ())  # Gated DeltaNet layers: states recorded
-        self.widest = (widest or RECORDED_WIDTH) if self.recording else None
-        extra = {"widest": self.widest} if self.recording else {}
+        self.hybrid = "linear_attention" in (layer_types or ())  # Gated DeltaNet layers: states recorded
+        self.widest = (widest or RECORDED_WIDTH) if self.hybrid else None
+        extra = {"widest": self.widest} if self.hybrid else {}
         self.cache = cache_class(layer_types)(config=full_attention_cache_config(config), max_cache_len=rows, **extra)
         self.rows = rows
         self.length = 0
@@ -168,7 +168,7 @@ class StaticKV:
         """Position 0 for a new request: old rows are masked, then overwritten; recurrent states zeroed."""
         self.set_length(0)
         self.recorded = None
-        if self.recording:
+        if self.hybrid:
             self.cache.restart()
 
     def fits(self, width: int) -> bool:
@@ -182,14 +182,14 @@ class StaticKV:
         """A forward of ``width`` tokens (run as ``padded``) wrote rows from ``start``: its padding's
         effect on the recurrent states is taken back at once."""
         self.recorded = (start, padded)
-        if self.recording and width < padded:
+        if self.hybrid and width < padded:
             self.cache.roll_back_to(width)
 
     @torch.inference_mode()
     def crop(self, length: int) -> None:
         """Roll back to ``length`` positions, at most the last recorded forward's with Gated DeltaNet layers."""
         length = min(length, self.length)
-        if self.recording and length < self.length:
+        if self.hybrid and length < self.length:
             start, padded = self.recorded or (self.length, 0)
             if length < start:
                 raise RuntimeError(f"cannot roll back to {length} positions: the Gated DeltaNet states are "

@@ -180,7 +180,7 @@ class TorchTarget(TargetModel):
         """A forward over the static cache: a prompt chunk (eager, its last logits only), or a
         verify block / decode step, compiled or not, whose Gated DeltaNet states are recorded."""
         static, width, start = self._static, int(ids.shape[0]), self._static.length
-        static.cache.recording = static.recording and not prompt
+        static.cache.recording = static.hybrid and not prompt
         try:
             with recording_into(static.cache) if static.cache.recording else contextlib.nullcontext():
                 if compiled:
