@@ -268,6 +268,36 @@ def test_random_dflash_draft_is_lossless(family, reference, tmp_path, name):
     assert "position 0" in kinds(cycles)
 
 
+@pytest.mark.slow
+def test_dflash_on_a_compiled_hybrid_drafts_as_on_the_eager_one(family, reference, tmp_path):
+    """DFlash over a compiled Qwen3.5 target: the captured target layers come out of the graphs
+    that record the Gated DeltaNet states, and the draft step compiles with the target. Every
+    cycle's proposals and acceptance lengths equal the eager engine's, and the tokens are
+    transformers'."""
+    from speculant.testing.tiny import build_tiny_dflash
+
+    path, expected = family("qwen3_5"), reference("qwen3_5")
+    draft = build_tiny_dflash(tmp_path / "draft", path, seed=5, block_size=8)
+    runs = []
+    for compile in ("on", "off"):
+        engine = load_engine({"backend": {**BACKEND, "compile": compile}, "target": {"path": str(path)},
+                              "drafter": {"kind": "dflash", "path": str(draft)}})
+        proposals, propose = [], engine.drafter.propose
+
+        def recording(request, propose=propose, proposals=proposals, ops=engine.backend.ops):
+            out = propose(request)
+            proposals.append(ops.to_list(out.token_ids))
+            return out
+
+        engine.drafter.propose = recording
+        result = engine.run(prompt_ids=PROMPTS["long"], max_new_tokens=32, ignore_eos=True)
+        assert result.token_ids == expected["long"][:32], compile
+        runs.append((proposals, result.stats.acceptance_lengths, engine.target.fast_path, engine.drafter.fast_path))
+    (compiled, accepted, target_path, draft_path), (eager, eager_accepted, *_) = runs
+    assert target_path.startswith("compiled: widths") and draft_path.startswith("compiled"), (target_path, draft_path)
+    assert compiled == eager and accepted == eager_accepted and len(compiled) > 5
+
+
 @pytest.mark.parametrize("name", HYBRID)
 def test_keeping_the_whole_block_recurrent_state_breaks_equality(family, reference, monkeypatch, name):
     """The recurrent-state rollback is what makes hybrids exact: keeping the state after the
