@@ -180,9 +180,11 @@ class TorchTarget(TargetModel):
         """A forward over the static cache: a prompt chunk (eager, its last logits only), or a
         verify block / decode step, compiled or not, whose Gated DeltaNet states are recorded."""
         static, width, start = self._static, int(ids.shape[0]), self._static.length
-        static.cache.recording = static.hybrid and not prompt
+        recording = static.hybrid and not prompt
+        if recording:
+            static.cache.recording = True
         try:
-            with recording_into(static.cache) if static.cache.recording else contextlib.nullcontext():
+            with recording_into(static.cache) if recording else contextlib.nullcontext():
                 if compiled:
                     logits, features, final = self._steps(ids, capture)
                 else:
@@ -195,7 +197,8 @@ class TorchTarget(TargetModel):
             self._recorder.finish(Capture())
             raise
         finally:
-            static.cache.recording = False
+            if recording:
+                static.cache.recording = False
         # the write position after this block's own rows (a padded graph moved it past its padding)
         static.set_length(start + width)
         if prompt:
