@@ -9,6 +9,7 @@ request once per eighth of each doubling (under 60 sizes up to 4096 rows).
 from __future__ import annotations
 
 STEP = 32  # the smallest step by which buffers grow
+FAR = -(1 << 30)  # the position recorded for a buffer row never written (masked: positions are >= 0)
 
 
 def capacity_for(rows: int) -> int:

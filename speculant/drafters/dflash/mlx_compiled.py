@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from speculant.core.buffers import capacity_for, padded
+from speculant.core.buffers import FAR, capacity_for, padded
 from speculant.drafters.dflash.visibility import keep_by_distance
-
-FAR = -(1 << 30)  # the position of a row never written (masked: positions are >= 0)
 
 
 class StaticSlot:

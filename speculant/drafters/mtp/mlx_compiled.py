@@ -24,10 +24,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from speculant.core.buffers import capacity_for, padded
+from speculant.core.buffers import FAR, capacity_for, padded
 from speculant.drafters.mtp.mlx import LatentAttention
 
-FAR = -(1 << 30)  # the position of a row never written (masked: positions are >= 0)
 COMPILED_ROWS = 16  # rows of a step run compiled; a longer one (the prompt) runs uncompiled
 
 
@@ -102,12 +101,14 @@ class CompiledMTP:
             return
         heads, key_dim, value_dim = _kv_dims(self.model.blocks[layer].self_attn)
         extra = size - have
-        grown = [mx.zeros((1, heads, extra, key_dim), dtype=dtype), mx.zeros((1, heads, extra, value_dim), dtype=dtype),
-                 mx.full((extra,), FAR, dtype=mx.int32)]
+        keys = mx.zeros((1, heads, extra, key_dim), dtype=dtype)
+        values = mx.zeros((1, heads, extra, value_dim), dtype=dtype)
+        key_at = mx.full((extra,), FAR, dtype=mx.int32)
         if have:
-            grown = [mx.concatenate([old, new], axis=old.ndim - 2 if old.ndim == 4 else 0)
-                     for old, new in zip(self.buffers[layer], grown)]
-        self.buffers[layer] = grown
+            old_keys, old_values, old_key_at = self.buffers[layer]
+            keys, values = mx.concatenate([old_keys, keys], axis=2), mx.concatenate([old_values, values], axis=2)
+            key_at = mx.concatenate([old_key_at, key_at])
+        self.buffers[layer] = [keys, values, key_at]
 
     def _step(self, layer: int):
         def step(embedded, hidden, at, end, keys, values, key_at):
