@@ -136,6 +136,32 @@ def test_compiled_speculative_and_plain_equal_eager_plain(eager, compiled, compi
 
 
 @pytest.mark.slow
+def test_compiled_forwards_over_packed_weights_equal_eager(pair, eager, eager_speculative):
+    """Where oneDNN's packed layout is timed fastest, the compiled target and draft run over it
+    (packed.packed_product inside the graphs) and decode as the eager dense engine does."""
+    from speculant.backends.torch import layouts
+    from speculant.backends.torch.packed import PackedLinear
+
+    with pytest.MonkeyPatch.context() as patch:  # which layout pays depends on the CPU: take packing
+        patch.setattr(layouts, "measured_speedups", lambda linears, kinds: {"transposed": 1.5, "packed": 2.0})
+        engine = speculant.load_engine(config(*pair))
+    assert engine.target.fast_path.startswith("compiled: widths 1, 2, 4;"), engine.target.fast_path
+    assert engine.target.fast_path.endswith("linear layers packed for oneDNN"), engine.target.fast_path
+    for model in (engine.target.model, engine.drafter.net.model):
+        assert not [m for m in model.modules() if type(m) is torch.nn.Linear]
+        assert [m for m in model.modules() if type(m) is PackedLinear]
+    assert engine.drafter.net.compiled is not None
+    for ids in PROMPTS.values():
+        expected = eager_speculative.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        result = engine.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
+        assert result.token_ids == expected.token_ids == eager.run(prompt_ids=ids, max_new_tokens=NEW,
+                                                                   ignore_eos=True).token_ids
+        assert result.stats.acceptance_lengths == expected.stats.acceptance_lengths
+        assert min(result.stats.acceptance_lengths) < BLOCK
+    assert engine.target._steps.recompiles == 0 and engine.drafter.net.compiled.recompiles == 0
+
+
+@pytest.mark.slow
 def test_growing_the_static_cache_keeps_its_rows(eager, compiled):
     capture = compiled.drafter.info.capture
     fast, slow = compiled.target, eager.target

@@ -43,7 +43,7 @@ def test_auto_packs_the_target_and_draft_and_changes_no_token(planted_pair):
     assert_same_speculation(packed_engine, dense_engine)
 
 
-def test_not_packed_in_bfloat16_nor_when_compiled_and_the_reason_is_shown(planted_pair):
+def test_not_packed_in_bfloat16_and_the_reason_is_shown(planted_pair):
     bf16 = engine(planted_pair, "auto", draft=False, dtype="bfloat16")
     assert bf16.target.fast_path.startswith("eager: CPU weight layouts are float32 only, not bfloat16")
     assert layers(bf16.target.model, PackedLinear) == []
@@ -76,7 +76,7 @@ def test_no_layout_measured_faster_keeps_the_dense_layers_and_says_so(planted_pa
     assert len(linears) == len(every) and {id(m) for m in linears} == {id(m) for m in every}
 
 
-@pytest.mark.parametrize("shape", [(64, 96), (1024, 2100)])  # under and over DENSE_ONE_ROW_BYTES
+@pytest.mark.parametrize("shape", [(64, 96), (1024, 4200)])  # under and over DENSE_ONE_ROW_BYTES
 def test_packed_products_round_like_dense_ones(shape):
     torch.manual_seed(0)
     holder = nn.Sequential(nn.Linear(*shape, bias=True))
@@ -90,6 +90,23 @@ def test_packed_products_round_like_dense_ones(shape):
         torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
     x = torch.randn(2, 5, shape[0])  # batched rows keep their shape
     torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(64, 96), (1024, 4200)])  # with and without a dense one-row copy
+def test_compiled_graphs_run_packed_products(shape, torch_threads):
+    """Inductor cannot lower oneDNN's product over a weight it did not pack itself; the layer's
+    own op (packed.packed_product) runs it inside a compiled graph, on one row and on several."""
+    torch.manual_seed(0)
+    holder = nn.Sequential(nn.Linear(*shape, bias=True))
+    dense = holder[0]
+    assert pack_linears(holder) == (1, None)
+    with torch.inference_mode():
+        for rows in (1, 8):
+            x = torch.randn(1, rows, shape[0])
+            graph = torch.compile(holder[0], fullgraph=True, dynamic=False)
+            torch.testing.assert_close(graph(x), dense(x), rtol=1e-4, atol=1e-4)
+            torch._dynamo.reset()
 
 
 def test_the_mtp_draft_is_packed_with_its_target(tmp_path, torch_threads):

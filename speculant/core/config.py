@@ -43,7 +43,7 @@ class BackendConfig(_Section):
     compiled whole forwards on a CPU; on a CPU in float32, linear weights stored transposed or
     packed for oneDNN on PyTorch, stored transposed on MLX, whichever is timed fastest at load, if
     faster than as loaded; on MLX large products also split over the cores if timed faster), `on`
-    wherever possible (on a CPU over transposed weights), `off` never."""
+    wherever possible (on a CPU over the linear weights' layout timed fastest), `off` never."""
     draft_ahead: Literal["auto", "on", "off"] = "auto"
     """Draft the next block before the host reads this cycle's verification, assuming the whole
     block is accepted (greedy, fixed-width verifiers; kept only when it was): `auto` on GPUs (Metal,

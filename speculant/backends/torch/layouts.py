@@ -1,13 +1,13 @@
 """The CPU's layout of a PyTorch model's linear weights, chosen at load: as loaded
-(``nn.Linear``), stored transposed (transposed.py) or packed for oneDNN (packed.py; eager
-forwards only, since its weight is opaque to ``torch.compile``).
+(``nn.Linear``), stored transposed (transposed.py) or packed for oneDNN (packed.py).
 
 Which is fastest depends on the CPU and on the model: on an Intel Xeon with AVX-512 (one
 thread), over the 57 layers of a 25M-parameter target in turn, packed products ran 1.08x as fast
 as dense ones and transposed ones 0.95x, while over the 5M-parameter shipped target transposed
 ones won; on a 2-core AMD EPYC packing took 25 % off a verify block. So under ``auto`` all of them
 are timed over the model's own layers (core/timing.py) and the fastest is kept if it beats the
-weights as loaded by ``timing.MARGIN``; under ``on`` (compiled forwards) likewise, packing aside.
+weights as loaded by ``timing.MARGIN``; under ``on`` (compiled forwards) likewise: the compiled
+graphs run over either layout.
 A drafter's layers follow its target's choice (``TargetModel.prepare_draft``).
 """
 
@@ -30,16 +30,15 @@ LAYOUTS = {"transposed": (TransposedLinear, transpose_linears, "stored transpose
            "packed": (PackedLinear, pack_linears, "packed for oneDNN")}
 
 
-def lay_out(model: nn.Module, dtype: torch.dtype, packable: bool) -> tuple[str | None, str]:
+def lay_out(model: nn.Module, dtype: torch.dtype) -> tuple[str | None, str]:
     """Lay ``model``'s linear weights out for the CPU as measured fastest here, if any layout beats
-    them as loaded (``packable``: packing is one of the choices): (layout, what was done), or
-    (None, why not) with the model left as it was."""
+    them as loaded: (layout, what was done), or (None, why not) with the model left as it was."""
     if dtype != torch.float32:
         return None, f"CPU weight layouts are float32 only, not {str(dtype).removeprefix('torch.')}"
     linears = [linear for *_, linear in linear_layers(model)]
     if not linears:
         return None, "no nn.Linear layers to lay out"
-    kinds = ["transposed"] + (["packed"] if packable and pack_problem(torch.device("cpu"), dtype) is None else [])
+    kinds = ["transposed"] + (["packed"] if pack_problem(torch.device("cpu"), dtype) is None else [])
     gains = measured_speedups(linears, kinds)
     del linears  # the originals go as they are swapped out, not when this returns
     kind = max(gains, key=gains.get)

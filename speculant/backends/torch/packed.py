@@ -1,11 +1,11 @@
-"""Linear weights reordered once for oneDNN, the CPU fast path of ``backend.compile: auto``.
+"""Linear weights reordered once for oneDNN, a CPU fast path of ``backend.compile`` (eager and compiled).
 
 On a CPU, ``F.linear`` over a few rows goes to MKL's GEMM, which repacks the whole weight
 matrix on every call: a verify block of 2 to 16 rows costs 2-4x a one-row step
 (``benchmarks/matmul_rows.py``), so a block's cost grows with its width although its weights
 are read once. oneDNN's linear over a weight reordered into its blocked layout ahead of time
-costs about the same for 1 to 16 rows, and less than F.linear's one-row product once a weight
-is a few MB. The target's ``nn.Linear`` layers are therefore swapped for :class:`PackedLinear`,
+costs about the same for 1 to 16 rows, though a one-row product over it is slower than
+F.linear's. The target's ``nn.Linear`` layers are therefore swapped for :class:`PackedLinear`,
 which holds the reordered weight, and the dense one only where it is small (under
 ``DENSE_ONE_ROW_BYTES``): there a one-row product (plain decoding) stays F.linear's, which was
 measured faster for such weights. Larger dense weights are released (a head tied to the
@@ -15,9 +15,9 @@ product and keeps the dense layers if one disagrees beyond that, or if packing f
 
 Whether it pays depends on the CPU: on a 2-core AMD EPYC a packed verify block of 8 cost 1.3
 one-row forwards against 1.7 dense, while on an Intel Xeon with AVX-512 it ranged from a loss to
-a small gain with the model's size. So ``auto`` times it at load against the other layouts
-(layouts.py). The drafter's layers are packed too (``TargetModel.prepare_draft``) when the
-target's are.
+a small gain with the model's size. So ``auto`` and ``on`` time it at load against the other
+layouts (layouts.py). The drafter's layers are packed too (``TargetModel.prepare_draft``) when the
+target's are. Compiled graphs run the packed product as one opaque op (:func:`packed_product`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,27 @@ import torch
 from torch import nn
 
 BATCH_HINT = 8  # rows oneDNN lays the weight out for; any row count runs on it
-# Below this a one-row F.linear beat oneDNN's packed product (2 cores, 2026-12-02: 3 MB 85 vs 52-138 us
-# depending on the OpenMP wait policy, 13 MB 279-712 vs 138-317 us), so such layers keep both.
-DENSE_ONE_ROW_BYTES = 8 << 20
+# Below this a layer keeps its dense weight too, for one-row products (plain decoding), at the cost of a
+# second copy. A one-row F.linear beat oneDNN's packed product (2 cores, 2026-12-02: 3 MB 85 vs
+# 52-138 us depending on the OpenMP wait policy, 13 MB 279-712 vs 138-317 us; 2026-12-03: 12 MB
+# layers 0.90x packed). At 16 MB the 101M mid target keeps its 12 MB MLP weights dense as well, and
+# its plain decoding went from 0.95x to 1.13x transformers' generate, compiled (docs/fast-path.md).
+DENSE_ONE_ROW_BYTES = 16 << 20
 CHECK_TOLERANCE = 1e-4  # largest |packed - dense| difference, relative to the product's scale
+
+
+# Inductor lowers oneDNN's linear only over weights it packed itself from frozen constants, and
+# asserts otherwise; wrapped in an op of our own, the product runs in a compiled graph as one
+# opaque call over the weight packed at load.
+@torch.library.custom_op("speculant::packed_product", mutates_args=())
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` over ``W`` in oneDNN's layout (``packed``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_product.register_fake
+def _packed_product_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 class PackedLinear(nn.Module):
@@ -46,6 +63,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() == self.in_features:  # one row
             return nn.functional.linear(x, self.dense, self.bias)
+        if torch.compiler.is_compiling():
+            return packed_product(x.contiguous(), self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
