@@ -43,7 +43,7 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads)
     monkeypatch.setattr(packed.PackedLinear, "forward", lambda self, x: time.sleep(0.002) or forward(self, x))
     gains = layouts.measured_speedups(list(model), kinds)
     assert gains["packed"] < 0.5 < gains["transposed"], gains
-    kind, said = layouts.lay_out(model, torch.float32, packable=True)
+    kind, said = layouts.lay_out(model, torch.float32)
     assert kind in (None, "transposed") and all(type(m) is not packed.PackedLinear for m in model), said
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False))
     monkeypatch.setattr(packed.PackedLinear, "forward", forward)
@@ -51,7 +51,7 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads)
     gains = layouts.measured_speedups(list(model), kinds)
     assert gains["transposed"] < 0.5 and gains["transposed"] < gains["packed"], gains
     monkeypatch.setattr(nn.Linear, "forward", lambda self, x: time.sleep(0.004) or nn.functional.linear(x, self.weight, self.bias))
-    assert layouts.lay_out(model, torch.float32, packable=True) == ("packed", "2 linear layers packed for oneDNN")
+    assert layouts.lay_out(model, torch.float32) == ("packed", "2 linear layers packed for oneDNN (2 also dense for one-row products, 0.0469 MiB)")
     assert all(type(m) is packed.PackedLinear for m in model)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speculant.backends.torch.packed import PackedLinear, linear_layers, pack_linears, pack_problem
+from speculant.backends.torch.packed import (PackedLinear, dense_copies, linear_layers, pack_linears,
+                                              pack_problem)
 from speculant.backends.torch.transposed import TransposedLinear, transpose_linears
 from speculant.core import timing
 
@@ -48,13 +49,20 @@ def lay_out(model: nn.Module, dtype: torch.dtype) -> tuple[str | None, str]:
     count, problem = LAYOUTS[kind][1](model)
     if problem is not None:
         return None, problem
-    return kind, f"{count} linear layers {LAYOUTS[kind][2]}"
+    return kind, laid_out(model, kind, count)
 
 
 def lay_out_like(module: nn.Module, kind: str) -> str:
     """A drafter's modules laid out as its target's (``kind``): a fast_path for an eager draft."""
     count, problem = LAYOUTS[kind][1](module)
-    return f"eager: {problem}" if problem else f"eager; {count} linear layers {LAYOUTS[kind][2]}"
+    return f"eager: {problem}" if problem else f"eager; {laid_out(module, kind, count)}"
+
+
+def laid_out(model: nn.Module, kind: str, count: int) -> str:
+    """What was done to ``model``'s ``count`` layers, with the memory a packed layout keeps twice."""
+    copies, size = dense_copies(model)
+    kept = f" ({copies} also dense for one-row products, {size / 2**20:.3g} MiB)" if copies else ""
+    return f"{count} linear layers {LAYOUTS[kind][2]}{kept}"
 
 
 @torch.inference_mode()

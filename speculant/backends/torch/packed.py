@@ -111,6 +111,12 @@ def pack_linears(model: nn.Module) -> tuple[int, str | None]:
     return len(found), None
 
 
+def dense_copies(model: nn.Module) -> tuple[int, int]:
+    """(packed layers that also keep their dense weight for one-row products, that weight's bytes)."""
+    kept = [m.dense for m in model.modules() if isinstance(m, PackedLinear) and m.dense is not None]
+    return len(kept), sum(w.numel() * w.element_size() for w in kept)
+
+
 def _restore(done: list) -> None:
     for parent, name, linear in done:
         setattr(parent, name, linear)
