@@ -63,11 +63,11 @@ def test_the_fastest_layout_measured_is_the_one_kept(planted_pair, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_forwards_run_over_transposed_weights_and_change_no_token(planted_pair, monkeypatch):
-    """``on`` times the transposed layout only (packed weights cannot be compiled), and compiles
-    the target and the draft step over it."""
+    """``on`` times the layouts as ``auto`` does, and compiles the target and the draft step over
+    the transposed weights where they are timed fastest (packed ones: test_fast_path_torch.py)."""
     asked = []
     monkeypatch.setattr(layouts, "measured_speedups",
-                        lambda linears, kinds: asked.append(kinds) or measured({"transposed": 1.2, "packed": 9.0})(linears, kinds))
+                        lambda linears, kinds: asked.append(kinds) or measured({"transposed": 1.2, "packed": 1.1})(linears, kinds))
     fast_engine = engine(planted_pair["target"], "on", planted_pair["draft"])
     dense_engine = engine(planted_pair["target"], "off", planted_pair["draft"])
     assert fast_engine.target.layout == "transposed" and layers(fast_engine.target.model, nn.Linear) == []
@@ -77,13 +77,13 @@ def test_compiled_forwards_run_over_transposed_weights_and_change_no_token(plant
     assert fast_engine.drafter.net.fast_path.startswith("compiled draft")
     assert fast_engine.drafter.net.fast_path.endswith("linear layers stored transposed")
     assert_same_speculation(fast_engine, dense_engine)
-    assert fast_engine.target._steps.recompiles == 0 and asked == [["transposed"]]
-    monkeypatch.setattr(layouts, "measured_speedups", measured({"transposed": 0.9}))
+    assert fast_engine.target._steps.recompiles == 0 and asked == [["transposed", "packed"]]
+    monkeypatch.setattr(layouts, "measured_speedups", measured({"transposed": 0.9, "packed": 0.8}))
     dense_compiled = engine(planted_pair["target"], "on")
     said = dense_compiled.target.fast_path
     assert said.startswith("compiled: widths 1;") and dense_compiled.target.layout is None, said
     assert said.endswith("; linear weights as loaded (no CPU weight layout was measured faster than dense "
-                         "weights on this CPU (transposed 0.90x))"), said
+                         "weights on this CPU (transposed 0.90x, packed 0.80x))"), said
 
 
 def test_a_tied_head_reads_a_transposed_copy_and_stays_tied(tmp_path, torch_threads):
