@@ -143,7 +143,7 @@ def test_compiled_forwards_over_packed_weights_equal_eager(pair, eager, eager_sp
     from speculant.backends.torch.packed import PackedLinear
 
     with pytest.MonkeyPatch.context() as patch:  # which layout pays depends on the CPU: take packing
-        patch.setattr(layouts, "measured_speedups", lambda linears, kinds: {"transposed": 1.5, "packed": 2.0})
+        patch.setattr(layouts, "measured_speedups", lambda linears, kinds, **_: {"transposed": 1.5, "packed": 2.0})
         engine = speculant.load_engine(config(*pair))
     assert engine.target.fast_path.startswith("compiled: widths 1, 2, 4;"), engine.target.fast_path
     assert "linear layers packed for oneDNN (" in engine.target.fast_path, engine.target.fast_path

@@ -19,7 +19,7 @@ from speculant.backends.torch.packed import PackedLinear, pack_linears
 def packing_pays(monkeypatch):
     """Which layout pays is measured at load and depends on the CPU; these tests check what
     packing does, so they take it as measured fastest (test_timing.py measures for real)."""
-    monkeypatch.setattr(layouts, "measured_speedups", lambda linears, kinds: {"transposed": 1.5, "packed": 2.0})
+    monkeypatch.setattr(layouts, "measured_speedups", lambda linears, kinds, **_: {"transposed": 1.5, "packed": 2.0})
 
 
 def engine(pair, compile, draft=True, dtype="float32"):
@@ -64,7 +64,7 @@ def test_a_layer_that_disagrees_keeps_every_layer_dense(planted_pair, monkeypatc
 def test_no_layout_measured_faster_keeps_the_dense_layers_and_says_so(planted_pair, monkeypatch):
     measured = []
     monkeypatch.setattr(layouts, "measured_speedups",
-                        lambda linears, kinds: measured.append((linears, kinds)) or {"transposed": 0.96, "packed": 0.97})
+                        lambda linears, kinds, **_: measured.append((linears, kinds)) or {"transposed": 0.96, "packed": 0.97})
     eng = engine(planted_pair, "auto")
     said = "no CPU weight layout was measured faster than dense weights on this CPU (transposed 0.96x, packed 0.97x)"
     assert said in eng.target.fast_path, eng.target.fast_path

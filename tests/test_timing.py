@@ -55,6 +55,22 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads)
     assert all(type(m) is packed.PackedLinear for m in model)
 
 
+def test_packed_products_are_timed_through_the_compiled_op_for_compiled_forwards(monkeypatch, torch_threads):
+    """Under ``on`` packed products run through our own op (packed.packed_product); its cost is
+    part of the timing: made slow, packing is measured slower only where it counts."""
+    from torch import nn
+
+    from speculant.backends.torch import layouts, packed
+
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False))
+    product = packed.packed_product
+    monkeypatch.setattr(packed, "packed_product", lambda *args: time.sleep(0.002) or product(*args))
+    compiled = layouts.measured_speedups(list(model), ["packed"], compiled=True)
+    assert compiled["packed"] < 0.5, compiled
+    eager = layouts.measured_speedups(list(model), ["packed"])
+    assert eager["packed"] > compiled["packed"] * 2, (eager, compiled)
+
+
 def test_transposing_made_slow_is_measured_slower_and_turned_down(monkeypatch):
     pytest.importorskip("mlx.core")
     import mlx.core as mx

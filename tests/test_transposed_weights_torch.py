@@ -19,7 +19,7 @@ from speculant.backends.torch.transposed import TransposedLinear, transpose_line
 
 
 def measured(gains):
-    return lambda linears, kinds: {kind: gains[kind] for kind in kinds}
+    return lambda linears, kinds, **_: {kind: gains[kind] for kind in kinds}
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +67,7 @@ def test_compiled_forwards_run_over_transposed_weights_and_change_no_token(plant
     the transposed weights where they are timed fastest (packed ones: test_fast_path_torch.py)."""
     asked = []
     monkeypatch.setattr(layouts, "measured_speedups",
-                        lambda linears, kinds: asked.append(kinds) or measured({"transposed": 1.2, "packed": 1.1})(linears, kinds))
+                        lambda linears, kinds, compiled=False: asked.append((kinds, compiled)) or measured({"transposed": 1.2, "packed": 1.1})(linears, kinds))
     fast_engine = engine(planted_pair["target"], "on", planted_pair["draft"])
     dense_engine = engine(planted_pair["target"], "off", planted_pair["draft"])
     assert fast_engine.target.layout == "transposed" and layers(fast_engine.target.model, nn.Linear) == []
@@ -77,7 +77,7 @@ def test_compiled_forwards_run_over_transposed_weights_and_change_no_token(plant
     assert fast_engine.drafter.net.fast_path.startswith("compiled draft")
     assert fast_engine.drafter.net.fast_path.endswith("linear layers stored transposed")
     assert_same_speculation(fast_engine, dense_engine)
-    assert fast_engine.target._steps.recompiles == 0 and asked == [["transposed", "packed"]]
+    assert fast_engine.target._steps.recompiles == 0 and asked == [(["transposed", "packed"], True)]
     monkeypatch.setattr(layouts, "measured_speedups", measured({"transposed": 0.9, "packed": 0.8}))
     dense_compiled = engine(planted_pair["target"], "on")
     said = dense_compiled.target.fast_path

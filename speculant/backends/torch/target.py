@@ -100,7 +100,8 @@ class TorchTarget(TargetModel):
         compiling = wants_compile(setting, device)
         problem = compile_problem(self.model, self.info.layer_types, self._recorded_layers) if compiling else None
         if setting != "off" and device.type == "cpu":
-            self.layout, said = layouts.lay_out(self.model, self.backend.dtype)
+            self.layout, said = layouts.lay_out(self.model, self.backend.dtype,
+                                                compiled=compiling and problem is None)
             self._head = self.model.get_output_embeddings()
             self._layout_note = said if self.layout else f"linear weights as loaded ({said})"
             if not compiling:
