@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speculant.backends.torch import packed
 from speculant.backends.torch.packed import (PackedLinear, dense_copies, linear_layers, pack_linears,
                                               pack_problem)
 from speculant.backends.torch.transposed import TransposedLinear, transpose_linears
@@ -71,7 +70,7 @@ def laid_out(model: nn.Module, kind: str, count: int) -> str:
 def measured_speedups(linears: list[nn.Linear], kinds: list[str], compiled: bool = False) -> dict[str, float]:
     """Dense time over each layout's, over ``linears`` in order up to the working set
     (core/timing.py), each run on a verify block's rows; ``compiled``: packed products as a
-    compiled graph runs them, through :func:`packed.packed_product`."""
+    compiled graph runs them, through ``packed.packed_product``."""
     sample = timing.working_set(linears, lambda d: d.weight.numel() * d.weight.element_size())
     xs = {(rows, d.in_features): torch.randn(rows, d.in_features, dtype=d.weight.dtype)
           for d in sample for rows in MEASURED_ROWS}
@@ -90,5 +89,5 @@ def _as_run(kind: str, linear: nn.Linear, compiled: bool) -> nn.Module:
     shipped 5M target's packed weights a compiled 8-row forward took 4.6 ms, 2.8 ms transposed."""
     layer = LAYOUTS[kind][0](linear)
     if compiled and kind == "packed":
-        layer.forward = lambda x: packed.packed_product(x, layer.packed, layer.bias)
+        layer.as_compiled = True
     return layer

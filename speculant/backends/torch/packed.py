@@ -59,11 +59,12 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         self.dense = weight if weight.numel() * weight.element_size() < DENSE_ONE_ROW_BYTES else None
         self.bias = linear.bias
+        self.as_compiled = False  # run as inside a compiled graph even when eager (layouts.py times it so)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() == self.in_features:  # one row
             return nn.functional.linear(x, self.dense, self.bias)
-        if torch.compiler.is_compiling():
+        if self.as_compiled or torch.compiler.is_compiling():
             return packed_product(x.contiguous(), self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
