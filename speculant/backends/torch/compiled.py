@@ -161,6 +161,7 @@ class StaticKV:
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(length)  # in place: the graphs read it at a fixed address
+        set_linear_lengths(self.cache, length)
         self.length = length
 
     @torch.inference_mode()
@@ -216,6 +217,17 @@ class StaticKV:
                 continue
             keys, values = layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
             cache.update(keys.clone(), values.clone(), index)
+        set_linear_lengths(cache, self.length)  # the conv states alone would count ``kernel`` positions
+
+
+def set_linear_lengths(cache, length: int) -> None:
+    """Set the position count of every linear-attention layer, in place. transformers >= 5.25
+    keeps one per layer and takes the model's positions from it when the first layer is linear
+    (Qwen3.5), so it must follow the attention layers' through a rollback."""
+    for layer in cache.layers:
+        counter = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(length)
 
 
 class CompileFailed(RuntimeError):

@@ -11,11 +11,14 @@ per layer kind (``TargetInfo.layer_types``):
   included, so the buffers never stay longer than the window plus one block.
 - ``linear_attention`` (Gated DeltaNet of Qwen3.5 / Qwen3-Next): two states per layer. The short
   convolution state (last ``conv_kernel - 1`` inputs) is rolled back by past recording too. The
-  recurrent state (``[heads, key_dim, value_dim]``, updated every token) is not: transformers can
-  only keep the state after the whole block. So during a verify forward (``TorchTarget.forward``,
-  never the prefill) the delta rule runs token by token, as plain decoding runs it, and keeps the
-  state after every position of the block; the crop installs the one at the accepted length. No
-  second forward, no re-run over accepted tokens (the approach of vLLM and SGLang for hybrids).
+  recurrent state (``[heads, key_dim, value_dim]``, updated every token) is not: before 5.25
+  transformers keeps only the state after the whole block. So during a verify forward
+  (``TorchTarget.forward``, never the prefill) the delta rule runs token by token, as plain
+  decoding runs it, and keeps the state after every position of the block; the crop installs the
+  one at the accepted length. No second forward, no re-run over accepted tokens (the approach of
+  vLLM and SGLang for hybrids). transformers 5.25 can keep such states itself
+  (``recurrent_states_to_keep``), one single-token call per kept position; the cache asks it for
+  none and hands it ours instead, so its crop installs the state ours would.
 
 How the states get out of the layer: a Gated DeltaNet layer calls the module-level function
 ``torch_chunk_gated_delta_rule`` (a block) or ``torch_recurrent_gated_delta_rule`` (one token) of its
@@ -105,9 +108,17 @@ class RollbackCache(DynamicCache):
     def hand_over(self, states: list[torch.Tensor]) -> None:
         self._handed = states
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """The delta-rule wrapper records a block's per-position states, so the layer keeps its one
+        chunked pass (transformers >= 5.25 would otherwise split off a token loop of its own)."""
+        return 0
+
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         if self._handed is not None:
             self.block_states[layer_idx] = self._handed
+            if _keeps_history(self.layers[layer_idx]):
+                # transformers >= 5.25 crops a linear layer to a state it kept itself: give it ours
+                recurrent_states = self._handed
             self._handed = None
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
@@ -119,25 +130,33 @@ class RollbackCache(DynamicCache):
                 f"cannot roll back {tokens_to_remove} positions: only the last {self.block_length} "
                 "(the block since the last crop) are recorded"
             )
-        if tokens_to_remove > 0:
-            for index, layer in enumerate(self.layers):
-                if _has_recurrent_state(layer):
-                    self._install(index, layer, tokens_to_remove)
-        self.block_states.clear()
+        recorded = [
+            (layer, self._recorded(index, layer, tokens_to_remove))
+            for index, layer in enumerate(self.layers)
+            if tokens_to_remove > 0 and _has_recurrent_state(layer)
+        ]
         self.crop(-tokens_to_remove)
+        for layer, states in recorded:  # after the crop, which may install a state of its own
+            ROLLBACK.install(layer, states, len(states) - tokens_to_remove)
+        self.block_states.clear()
         self.block_length = 0
 
-    def _install(self, index: int, layer, tokens_to_remove: int) -> None:
+    def _recorded(self, index: int, layer, tokens_to_remove: int) -> list[torch.Tensor]:
         states = self.block_states.get(index)
         if states is None or tokens_to_remove >= len(states):
             raise RuntimeError(
                 f"layer {index} ({type(layer).__name__}) has a recurrent state but no per-position states "
                 "were recorded for the last block, so it cannot be rolled back"
             )
-        ROLLBACK.install(layer, states, len(states) - tokens_to_remove)
+        return states
 
     def _all_full_attention(self) -> bool:
         return all(type(layer).__name__ == "DynamicLayer" for layer in self.layers)
+
+
+def _keeps_history(layer) -> bool:
+    """Whether the layer keeps per-position recurrent states for its own crop (transformers >= 5.25)."""
+    return hasattr(layer, "recurrent_states_history")
 
 
 def _has_recurrent_state(layer) -> bool:
@@ -159,7 +178,9 @@ class _Rollback:
 
     def install(self, layer, states: list[torch.Tensor], kept: int) -> None:
         chosen = states[-1] if self.keep_whole_block else states[kept - 1]
-        layer.recurrent_states[0].copy_(chosen)
+        # a copy of its own: the chosen state may be a view of the whole block's states (closed form),
+        # which transformers >= 5.25's crop would otherwise keep alive as the layer's state
+        layer.recurrent_states[0] = chosen.clone()
 
 
 ROLLBACK = _Rollback()
