@@ -117,6 +117,16 @@ def kinds(cycles) -> set[str]:
 
 
 # -- loading ------------------------------------------------------------------------------------
+def test_targets_load_without_hub_kernels(family):
+    """transformers >= 5.25 kernelizes a model by default with kernels fetched from the Hub: code
+    from outside the checkpoint, which a target must not run unasked (and a kernel that keeps the
+    convolution state itself would slip past the rollback's recording)."""
+    from speculant.backends.torch.loading import load_causal_lm
+
+    model, _ = load_causal_lm(str(family("qwen3_5")), torch.float32)
+    assert getattr(model, "use_kernels", False) is False
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_target_logits_and_head_equal_transformers(family, name):
     """Prefill and a one-token step give the logits of the model loaded directly (Muse Glimmer

@@ -4,7 +4,7 @@ Most families load with ``AutoModelForCausalLM``, which also reads the text part
 checkpoints (Qwen3.5: ``text_config`` and ``model.language_model.*`` tensors). Families it refuses,
 such as Muse Glimmer (``MuseGlimmerForConditionalGeneration``), load with their own transformers
 class; their text-only forward is then the target, and the vision modules are dropped. Only
-safetensors are read and no remote code runs.
+safetensors are read and no remote code runs: no ``trust_remote_code``, no Hub kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def load_causal_lm(path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    options = dict(config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
+    options = dict(config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False, output_loading_info=True,
+                   use_kernels=False)  # transformers >= 5.25 would fetch and run kernels from the Hub by default
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         model, info = AutoModelForCausalLM.from_pretrained(path, **options)
     elif type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
