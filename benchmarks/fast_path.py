@@ -138,7 +138,10 @@ class Transformers:
         self.torch = torch
         self.device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
         torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype).to(self.device).eval()
+        # use_kernels=False: the forward speculant's loader gives the target (transformers >= 5.25
+        # would swap in kernels fetched from the Hub, unreachable from a benchmark machine)
+        self.model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype, use_kernels=False)
+        self.model = self.model.to(self.device).eval()
         self.model.generation_config.eos_token_id = None
 
     def run(self, prompt: list[int], max_new: int) -> tuple[list[int], float]:
