@@ -4,7 +4,8 @@
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
 ``SPECULANT_DEBUG=1``) shows the traceback instead. Ctrl-C ends generation with what was
-produced, prints the statistics and exits 130.
+produced, prints the statistics and exits 130. Other libraries' logging and warnings stay off the
+terminal (speculant.core.quiet); ``-v``/``--verbose`` or ``--debug`` shows them.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: 
         print(f"identical output: all {same} tokens", file=sys.stderr)
     else:
         note = (" (bfloat16/float16 round a block forward and a one-token forward differently; "
-                "--dtype float32 compares exactly)" if config.backend.dtype in ("bfloat16", "float16") else "")
+                "--dtype float32 compares exactly)" if engine.backend.dtype_name in ("bfloat16", "float16") else "")
         print(f"outputs agree on the first {same} of {len(speculative_ids)} tokens{note}", file=sys.stderr)
 
 
