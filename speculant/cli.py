@@ -4,7 +4,8 @@
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
 ``SPECULANT_DEBUG=1``) shows the traceback instead. Ctrl-C ends generation with what was
-produced, prints the statistics and exits 130.
+produced, prints the statistics and exits 130. Other libraries' logging and warnings stay off the
+terminal (speculant.core.quiet); ``-v``/``--verbose`` or ``--debug`` shows them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 from speculant import __version__
 from speculant.core.config import EngineConfig
 from speculant.core.errors import SpeculantError
+from speculant.core.quiet import third_party_quiet
 from speculant.cli_settings import (  # noqa: F401  (build_config, UsageError: the CLI's public helpers)
     OVERRIDES, UsageError, add_override_flags, build_config, embedded_config, load_registry, warn,
 )
@@ -34,8 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative decoding.")
     parser.add_argument("--version", action="version", version=f"speculant {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show other libraries' warnings")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of errors")
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show other libraries' warnings (transformers, torch, mlx)")
     common.add_argument("-p", "--plugin", action="append", default=[], metavar="MODULE",
                         help="also load this importable module as a plugin (repeatable)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -179,7 +184,7 @@ def compare(config: EngineConfig, engine: Any, prompt: str, add_special_tokens: 
         print(f"identical output: all {same} tokens", file=sys.stderr)
     else:
         note = (" (bfloat16/float16 round a block forward and a one-token forward differently; "
-                "--dtype float32 compares exactly)" if config.backend.dtype in ("bfloat16", "float16") else "")
+                "--dtype float32 compares exactly)" if engine.backend.dtype_name in ("bfloat16", "float16") else "")
         print(f"outputs agree on the first {same} of {len(speculative_ids)} tokens{note}", file=sys.stderr)
 
 
@@ -254,24 +259,13 @@ def print_plugin(p: Any, show_traceback: bool) -> None:
 
 
 # -- entry point -----------------------------------------------------------------------------
-def quiet_third_party() -> None:
-    """Keep import-time chatter of optional libraries off the user's terminal: torchao's notes
-    about GPU kernels it cannot load, torch's pytree deprecation notes, weight-loading bars."""
-    import logging
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("SPECULANT_DEBUG") == "1"
-    if not debug:
-        quiet_third_party()
     restore = _watch_interrupts()
     try:
-        return args.func(args)
+        with third_party_quiet(enabled=not (debug or getattr(args, "verbose", False))):
+            return args.func(args)
     except SpeculantError as exc:
         if debug:
             raise

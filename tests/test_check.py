@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import speculant
+from speculant import embedded
+from speculant.bench.workloads import load_workload
 from speculant.check import check_greedy, check_sampling, chi_square_sf
 from speculant.cli import main
 from speculant.core.types import SamplingParams, Verification
@@ -84,3 +87,65 @@ def test_cli_check_exit_codes(planted_pair, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and len(report["greedy"]) == 2 and report["sampling"] is None
     assert main(["check", "--target", str(planted_pair["target"]), "--prompt", "x"]) == 2  # no drafter: usage error
+
+
+# -- near-ties, broken verifiers, and checks that test nothing ----------------------------------
+PLUGINS = Path(__file__).parent / "plugins" / "speculant-broken-verifier"
+
+
+def check_cli(capsys, pair, *argv):
+    args = ["check", "--target", str(pair["target"]), "--draft", str(pair["draft"]), "--device", "cpu",
+            "--dtype", "float32", "--prompt", "def f(x):", "--prompt", "import os", "--max-new-tokens", "24", *argv]
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_verifier_accepting_wrong_tokens_fails_with_the_evidence(planted_pair, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    code, out, _ = check_cli(capsys, planted_pair, "-p", "speculant_broken_verifier", "--verifier", "accept_all")
+    assert code == 1, out
+    failure = next(line for line in out.splitlines() if "DIFFERS" in line)
+    assert "beyond float32 rounding" in failure and "margin" in failure  # both paths' margins as evidence
+    assert "FAILED" in out and "ok" not in out.splitlines()[-1]
+
+
+def test_a_check_where_nothing_was_drafted_is_inconclusive(planted_pair, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    code, out, _ = check_cli(capsys, planted_pair, "-p", "speculant_broken_verifier", "--verifier", "never_draft")
+    assert code == 1 and "INCONCLUSIVE: no drafted token was verified" in out, out
+
+
+def test_a_sampling_test_without_power_is_inconclusive(planted_pair, capsys):
+    # at T = 0.01 every run draws the same tokens: one bin per prefix, nothing to test
+    code, out, _ = check_cli(capsys, planted_pair, "--temperature", "0.01", "--samples", "30")
+    assert code == 1 and "INCONCLUSIVE" in out and ": inconclusive" in out, out
+
+
+@pytest.mark.parametrize("argv,flag", [(["--samples", "-1"], "--samples"), (["--alpha", "2", "--samples", "5"], "--samples"),
+                                       (["--alpha", "2"], "--alpha"), (["--alpha", "0"], "--alpha"),
+                                       (["-n", "0"], "-n/--num-prompts"), (["--sample-tokens", "0"], "--sample-tokens")])
+def test_settings_under_which_a_check_tests_nothing_are_refused(argv, flag, capsys):
+    code = main(["check", "--target", "/nonexistent", "--draft", "/nonexistent", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"speculant: error: {flag}: "), err
+
+
+@pytest.mark.skipif(not embedded.available(), reason="the shipped pair is not in this checkout")
+def test_bfloat16_near_ties_of_the_shipped_pair_are_warnings(capsys):
+    # a fixed verify width makes the run deterministic; in bfloat16 this prompt parts from plain
+    # decoding at new token 20, a near-tie (measured with `speculant check --dtype bfloat16`)
+    prompt = load_workload("code", None, None)[1]
+    args = ["check", "--backend", "torch", "--device", "cpu", "--dtype", "bfloat16", "--verifier", "auto",
+            "--prompt", prompt, "--max-new-tokens", "32"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if "warning" in line)
+    assert "near-tie (margin" in warning and "within bfloat16 rounding" in warning
+    assert "identical but for 1 near-tie(s)" in out and "ok with 1 warning(s)" in out
+    assert "--dtype float32 makes it exact and repeatable" in out
+    assert main([*args, "--strict", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["warnings"] == 1 and report["failures"] == 0 and not report["ok"]
+    tie = report["greedy"][0]["near_ties"][0]
+    assert tie["position"] == 20 and max(abs(tie["plain_gap"]), abs(tie["block_gap"])) <= tie["bound"]

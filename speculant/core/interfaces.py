@@ -114,6 +114,10 @@ class Backend(ABC):
 
     name: ClassVar[str]
     ops: ArrayOps
+    dtype_name: str = ""
+    """The dtype the models run in, e.g. ``float32`` (the statistics report it)."""
+    dtype_reason: str = ""
+    """Why that dtype: ``auto: CPU``, ``set by backend.dtype``, ..."""
 
     def __init__(self, config: "BackendConfig") -> None:
         self.config = config

@@ -14,7 +14,7 @@ import numpy as np
 
 from speculant.core.config import GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError
-from speculant.core.metrics import GenerationStats
+from speculant.core.metrics import GenerationStats, target_name
 from speculant.core.types import Capture, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
 
 if TYPE_CHECKING:
@@ -248,3 +248,5 @@ class Loop:
         s.verifier = self.e.verifier.decisions()
         s.fast_path = self.e.target.fast_path
         s.draft_fast_path = None if self.e.drafter is None else self.e.drafter.fast_path
+        s.dtype, s.dtype_reason = self.e.backend.dtype_name, self.e.backend.dtype_reason
+        s.target = target_name(self.e.target.info.path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 # The public field set; ``--json`` prints exactly these.
 PUBLIC_FIELDS = (
@@ -20,6 +21,9 @@ PUBLIC_FIELDS = (
     "lookup_acceptance_length",
     "peak_memory_bytes",
     "stop_reason",
+    "dtype",
+    "dtype_reason",
+    "target",
 )
 
 
@@ -49,6 +53,9 @@ class GenerationStats:
     verifier: dict = field(default_factory=dict)
     fast_path: str = "eager"  # what ran compiled (widths, compile seconds), or why it stayed eager
     draft_fast_path: str | None = None  # the same for the drafter's forwards (None: no drafter)
+    dtype: str = ""  # what the target ran in (float32, bfloat16, ...)
+    dtype_reason: str = ""  # why: "auto: CPU", "set by backend.dtype", ...
+    target: str = ""  # the target's name (target_name)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -111,10 +118,24 @@ class GenerationStats:
         return (
             f"{self.new_tokens} tokens, TTFT {self.ttft_s * 1000:.0f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
             f"decode {self.decode_tokens_per_s:.1f} tok/s{tau}, {self.verify_steps} verify steps{self._lookup_text()}, "
-            f"stop: {self.stop_reason}"
+            f"stop: {self.stop_reason}{self._dtype_text()}"
         )
+
+    def _dtype_text(self) -> str:
+        return f", dtype {self.dtype} ({self.dtype_reason})" if self.dtype else ""
 
     def _lookup_text(self) -> str:
         if not self.lookup_steps:
             return ""
         return f" ({self.lookup_steps} copies by prompt lookup, {self.lookup_acceptance_length:.2f} tokens each)"
+
+
+def target_name(path: str | Path) -> str:
+    """A target's name from its folder: the repository id of a Hugging Face cache snapshot
+    (``models--Qwen--Qwen3-8B/snapshots/<hash>``), the shipped pair's, else the folder's name."""
+    parts = Path(path).parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    if parts[-3:] == ("embedded", "pair", "target"):
+        return "speculant shipped pair (qwen3)"
+    return parts[-1] if parts else str(path)

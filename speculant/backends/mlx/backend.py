@@ -25,6 +25,9 @@ class MLXBackend(Backend):
         self._device = resolve_device(config.device)
         mx.set_default_device(mx.gpu if self._device == "gpu" else mx.cpu)
         self.dtype = resolve_dtype(config.dtype, self._device)
+        self.dtype_name = str(self.dtype).rsplit(".", 1)[-1]
+        auto = "auto: Metal" if self._device == "gpu" else "auto: CPU"
+        self.dtype_reason = auto if config.dtype == "auto" else "set by backend.dtype"
         self.ops = MLXOps()
 
     @classmethod
@@ -106,7 +109,7 @@ def resolve_device(name: str | None) -> str:
 
 
 def resolve_dtype(name: str, device: str):
-    """``auto``: bfloat16 on Metal, float32 on the CPU."""
+    """``auto``: bfloat16 on Metal, float32 on the CPU (exact, and faster there; docs/usage.md)."""
     import mlx.core as mx
 
     if name == "auto":

@@ -25,6 +25,8 @@ class TorchBackend(Backend):
 
         self._device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self._device)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.dtype_reason = dtype_reason(config.dtype, self._device)
         self.ops = TorchOps(self._device)
         self._torch = torch
 
@@ -105,7 +107,8 @@ def resolve_device(name: str):
 
 
 def resolve_dtype(name: str, device):
-    """``auto``: bfloat16 on CUDA (if supported), float16 on MPS, float32 on CPU."""
+    """``auto``: bfloat16 on CUDA (if supported), float16 on MPS, float32 on CPU (exact: speculative
+    output equals plain decoding, and on the CPUs measured faster than bfloat16; docs/usage.md)."""
     import torch
 
     if name == "auto":
@@ -115,6 +118,17 @@ def resolve_dtype(name: str, device):
             return torch.float16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def dtype_reason(name: str, device) -> str:
+    """Why ``resolve_dtype`` chose what it did, for the statistics."""
+    import torch
+
+    if name != "auto":
+        return "set by backend.dtype"
+    if device.type == "cuda":
+        return "auto: CUDA" if torch.cuda.is_bf16_supported() else "auto: CUDA without bfloat16"
+    return "auto: MPS" if device.type == "mps" else "auto: CPU"
 
 
 def _process_peak_rss() -> int | None:
