@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from speculant.serve import create_app  # noqa: E402
@@ -99,11 +99,12 @@ scalars = (st.none() | st.booleans() | st.integers() | st.integers(-3, 70) | st.
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 deep_json = st.builds(lambda opener, n: opener * n, st.sampled_from([b"[", b'{"a":', b'[{"b":']), st.integers(100, 20_000))
+TINY = [5e-324, 1e-320, 1e-45, 1e-7]  # subnormal and tiny floats: a temperature that overflows logits
 plausible = {  # values near what each field takes, so that requests get past the first check
     "model": st.sampled_from(["speculant", "gpt-4o"]),
     "max_tokens": st.integers(-2, 200) | st.integers(),
-    "temperature": st.floats(-1, 3) | st.integers(-1, 3),
-    "top_p": st.floats(-0.5, 1.5),
+    "temperature": st.floats(-1, 3) | st.integers(-1, 3) | st.sampled_from(TINY),
+    "top_p": st.floats(-0.5, 1.5) | st.sampled_from(TINY),
     "top_k": st.integers(-3, 400) | st.integers(),
     "seed": st.integers(),
     "stop": st.text(max_size=3) | odd_text | st.lists(st.text(max_size=3), max_size=5),
@@ -184,6 +185,13 @@ def check_reply(reply):
 @settings(max_examples=200, deadline=timedelta(seconds=REQUEST_S), database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(request=requests())
+# what a campaign of hand-made bad inputs found (issue 37), always tried first
+@example(request=("/v1/completions", rb'{"model": "speculant", "prompt": "def f(x):\ud800"}'))
+@example(request=("/v1/chat/completions", rb'{"model": "speculant", "messages": [{"role": "user", "content": "\udc00"}]}'))
+@example(request=("/v1/completions", b"[" * 10_000))
+@example(request=("/v1/completions", b'{"model": "speculant", "prompt": "x", "temperature": 1e-320}'))
+@example(request=("/v1/completions", b'{"model": "speculant", "prompt": "x", "temperature": NaN}'))
+@example(request=("/v1/completions", b'{"model": "speculant", "prompt": [true, false], "max_tokens": true}'))
 def test_any_request_gets_a_typed_answer(fuzzed, request):
     url, engine, errors = fuzzed
     path, content = request

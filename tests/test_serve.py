@@ -179,6 +179,7 @@ BAD = [
     ("/v1/completions", {**GOOD, "seed": "7"}, 400, "seed"),
     ("/v1/completions", b'{"model": "speculant", "prompt": "x", "temperature": NaN}', 400, None),
     ("/v1/completions", b'{"model": "speculant", "prompt": "x", "top_p": 1e999}', 400, "top_p"),
+    ("/v1/completions", {**GOOD, "temperature": 1e-320}, 400, "temperature"),  # logits / 1e-320 overflow
     ("/v1/chat/completions", {"model": "speculant", "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
 ]
 

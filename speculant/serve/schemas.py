@@ -13,6 +13,7 @@ from typing import Any, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+MIN_TEMPERATURE = 1e-6  # below it, sampling is greedy decoding that can overflow the logits
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -58,6 +59,13 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:  # logits / 1e-320 overflow: a 500 mid-request
+            raise ValueError(f"give 0 for greedy decoding or at least {MIN_TEMPERATURE:g}")
+        return value
 
     @field_validator("stop")
     @classmethod
