@@ -98,7 +98,8 @@ scalars = (st.none() | st.booleans() | st.integers() | st.integers(-3, 70) | st.
            | st.sampled_from([0.0, -0.0, 1e-320, 1e308, 2.0, 2.0000001]) | st.text(max_size=12) | odd_text)
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
-deep_json = st.builds(lambda opener, n: opener * n, st.sampled_from([b"[", b'{"a":', b'[{"b":']), st.integers(100, 20_000))
+deep_json = st.builds(lambda opener, n: opener * n, st.sampled_from([b"[", b'{"a":', b'[{"b":']),
+                      st.integers(100, 20_000))
 TINY = [5e-324, 1e-320, 1e-45, 1e-7]  # subnormal and tiny floats: a temperature that overflows logits
 plausible = {  # values near what each field takes, so that requests get past the first check
     "model": st.sampled_from(["speculant", "gpt-4o"]),
@@ -128,7 +129,8 @@ def changes(draw, fields):
     engine; sometimes to any JSON value, or an unknown field."""
     out = {}
     for _ in range(draw(st.integers(0, 3))):
-        key = draw(st.sampled_from(fields) if draw(st.integers(0, 9)) else st.sampled_from(FIELDS) | st.text(max_size=6))
+        anything = st.sampled_from(FIELDS) | st.text(max_size=6)  # another endpoint's field, or none at all
+        key = draw(st.sampled_from(fields) if draw(st.integers(0, 9)) else anything)
         near = key in plausible and draw(st.integers(0, 5)) > 0
         out[key] = draw(plausible[key] if near else json_values)
     return out
@@ -187,7 +189,8 @@ def check_reply(reply):
 @given(request=requests())
 # what a campaign of hand-made bad inputs found (issue 37), always tried first
 @example(request=("/v1/completions", rb'{"model": "speculant", "prompt": "def f(x):\ud800"}'))
-@example(request=("/v1/chat/completions", rb'{"model": "speculant", "messages": [{"role": "user", "content": "\udc00"}]}'))
+@example(request=("/v1/chat/completions",
+                  rb'{"model": "speculant", "messages": [{"role": "user", "content": "\udc00"}]}'))
 @example(request=("/v1/completions", b"[" * 10_000))
 @example(request=("/v1/completions", b'{"model": "speculant", "prompt": "x", "temperature": 1e-320}'))
 @example(request=("/v1/completions", b'{"model": "speculant", "prompt": "x", "temperature": NaN}'))

@@ -6,7 +6,6 @@ any work it would waste: tokenizing, loading weights."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import time
@@ -16,22 +15,29 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import GOOD, TIMEOUT, engine, metric, wait_for  # noqa: E402,F401  (module fixture)
+from test_serve import GOOD, TIMEOUT, engine, wait_for  # noqa: E402,F401  (module fixture)
 
 from speculant.serve import create_app  # noqa: E402
 from speculant.serve.background import serving  # noqa: E402
 
-STALL_S = 0.5  # the header and body deadlines of this module's server
+STALL_S = 1.5  # the header and body deadlines of the stalling server
 
 
 @pytest.fixture(scope="module")
 def app(engine):
-    return create_app(engine, max_body_bytes=4 << 20, body_timeout=STALL_S, timeout=TIMEOUT)
+    return create_app(engine, max_body_bytes=4 << 20, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def server(app):
-    with serving(app, header_timeout=STALL_S) as url:
+    with serving(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def stalling_server(engine):
+    """Short deadlines for headers and bodies, for the tests of connections that stall."""
+    with serving(create_app(engine, body_timeout=STALL_S, timeout=TIMEOUT), header_timeout=STALL_S) as url:
         yield url
 
 
@@ -90,7 +96,8 @@ def test_prompts_are_tokenized_off_the_event_loop(app, server, monkeypatch):
 def test_a_prompt_near_the_bound_is_still_tokenized_exactly(server):
     """The character bound only refuses what cannot fit: 2047 tokens of text get the exact count."""
     reply = httpx.post(server + "/v1/completions", json={**GOOD, "prompt": "x = 1\n" * 1000}, timeout=TIMEOUT)
-    assert reply.status_code == 400 and "tokens but the model's context window is 2048" in reply.json()["error"]["message"]
+    assert reply.status_code == 400
+    assert "tokens but the model's context window is 2048" in reply.json()["error"]["message"]
 
 
 # -- bodies the JSON reader refuses ---------------------------------------------------------------
@@ -137,36 +144,46 @@ def read_until_closed(sock, seconds=10.0):
 
 
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le"])
-def test_a_connection_that_stalls_before_its_headers_end_is_closed(server, sent):
-    with connect(server) as sock:
+def test_a_connection_that_stalls_before_its_headers_end_is_closed(stalling_server, sent):
+    with connect(stalling_server) as sock:
         sock.sendall(sent)
         t = time.monotonic()
         assert read_until_closed(sock) == b""  # closed, not left open for ever
         assert time.monotonic() - t < STALL_S + 5
 
 
-def test_a_body_that_stalls_gets_408_and_the_connection_closes(server):
-    before = requests_counted(server, "completions", 408)
-    with connect(server) as sock:
+def test_a_kept_alive_connection_that_stalls_in_its_next_headers_is_closed(stalling_server):
+    with connect(stalling_server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # uvicorn's keep-alive timer stops at this byte
+        t = time.monotonic()
+        assert read_until_closed(sock) == b""
+        assert time.monotonic() - t < STALL_S + 5
+
+
+def test_a_body_that_stalls_gets_408_and_the_connection_closes(stalling_server):
+    before = requests_counted(stalling_server, "completions", 408)
+    with connect(stalling_server) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\": ")
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 408") and b'"code":"timeout"' in reply
-    assert requests_counted(server, "completions", 408) == before + 1
+    assert requests_counted(stalling_server, "completions", 408) == before + 1
 
 
-def test_an_aborted_upload_is_a_499_without_a_traceback(server):
+def test_an_aborted_upload_is_a_499_without_a_traceback(stalling_server):
     records = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
     logger = logging.getLogger("uvicorn.error")
     logger.addHandler(handler)
-    before = requests_counted(server, "completions", 499)
+    before = requests_counted(stalling_server, "completions", 499)
     try:
-        with connect(server) as sock:
+        with connect(stalling_server) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\"")
             time.sleep(0.1)
-        wait_for(lambda: requests_counted(server, "completions", 499) == before + 1, what="counting the abort")
+        wait_for(lambda: requests_counted(stalling_server, "completions", 499) == before + 1, what="counting the abort")
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records if r.levelno >= logging.WARNING or r.exc_info] == []

@@ -44,7 +44,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except socket.gaierror as exc:
         sock.close()
-        raise ListenError(f"--host {host!r}: not an address or a name this machine can resolve ({exc.strerror})") from None
+        raise ListenError(f"--host {host!r}: not an address or a name this machine can resolve "
+                          f"({exc.strerror})") from None
     except OSError as exc:
         sock.close()
         raise ListenError(f"--host {host} --port {port}: cannot listen there: {exc.strerror or exc}"

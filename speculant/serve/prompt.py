@@ -40,7 +40,8 @@ class PromptReader:
             ids = await self._in_thread(self._chat_ids, req)
         elif isinstance(req.prompt, str):
             self._check_chars(req.prompt, param)  # on the loop: a length, before any thread hop
-            ids = await self._in_thread(self.tokenizer.encode, req.prompt)  # with special tokens, as engine.generate(prompt)
+            # with special tokens, as engine.generate(prompt) tokenizes it
+            ids = await self._in_thread(self.tokenizer.encode, req.prompt)
         else:
             ids = list(req.prompt)
         if not ids:
