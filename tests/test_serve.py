@@ -64,6 +64,21 @@ def offline(engine, prompt, chat=False, **kwargs):
     return engine.run(prompt, **kwargs)
 
 
+def metric(url, name):
+    """The value of one unlabelled sample in the server's /metrics."""
+    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def wait_for(condition, seconds=10.0, what="the condition"):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen"
+        time.sleep(0.02)
+
+
 def wait_idle(app_or_engine, seconds=10.0):
     deadline = time.monotonic() + seconds
     while app_or_engine._busy.locked():
@@ -122,6 +137,7 @@ def test_sampling_fields_stop_seed_top_k(engine, client):
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["speculant"]
     assert httpx.get(server + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+    assert httpx.head(server + "/health", timeout=TIMEOUT).status_code == 200  # what load balancers send
     client.completions.create(model="speculant", prompt="x = ", max_tokens=4, temperature=0)
     text = httpx.get(server + "/metrics", timeout=TIMEOUT).text
     for name in ("speculant_requests_total", "speculant_queue_depth", "speculant_generated_tokens_total",
@@ -148,11 +164,23 @@ BAD = [
     ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {**GOOD, "prompt": [10**9]}, 400, "prompt_ids"),
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
-    ("/v1/completions", {**GOOD, "prompt": [5] * 2048}, 413, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [5] * 2048}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "speculant", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "speculant", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": "speculant", "messages": [{"role": "user", "content": "x"}],
                               "logprobs": True}, 400, "logprobs"),
+    # strict types: no bool for a number, no string for an int, no int for a bool, no NaN
+    ("/v1/completions", {**GOOD, "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": "16"}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 16.0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "prompt": [True, False]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**GOOD, "temperature": True}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "seed": "7"}, 400, "seed"),
+    ("/v1/completions", b'{"model": "speculant", "prompt": "x", "temperature": NaN}', 400, None),
+    ("/v1/completions", b'{"model": "speculant", "prompt": "x", "top_p": 1e999}', 400, "top_p"),
+    ("/v1/completions", {**GOOD, "temperature": 1e-320}, 400, "temperature"),  # logits / 1e-320 overflow
+    ("/v1/chat/completions", {"model": "speculant", "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
 ]
 
 
@@ -177,7 +205,7 @@ def test_body_size_limit_and_unknown_route(server):
 
 def test_chat_without_template_is_a_clear_400(engine):
     app = create_app(engine)
-    app.state.server.tokenizer.chat_template = None  # the server's own copy of the tokenizer
+    app.state.server.prompts.tokenizer.chat_template = None  # the server's own copy of the tokenizer
     with serving(app) as url:
         reply = httpx.post(url + "/v1/chat/completions", timeout=TIMEOUT,
                            json={"model": "speculant", "messages": [{"role": "user", "content": "x"}]})
@@ -187,7 +215,9 @@ def test_chat_without_template_is_a_clear_400(engine):
 def test_api_key(engine):
     with serving(create_app(engine, api_key="s3cret")) as url:
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        two = [[("Authorization", "Bearer wrong"), ("Authorization", "Bearer s3cret")],
+               [("Authorization", "Bearer s3cret"), ("Authorization", "Bearer wrong")]]  # one of them lies
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, *two):
             for path in ("/v1/models", "/metrics"):
                 reply = httpx.get(url + path, headers=headers, timeout=TIMEOUT)
                 assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
@@ -282,6 +312,7 @@ def test_a_client_that_leaves_the_queue_is_dropped_before_it_runs(engine):
 
 def test_disconnect_mid_stream_cancels_generation_and_the_next_request_runs(engine, server, client):
     body = {"model": "speculant", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": True}
+    generated = metric(server, "speculant_generated_tokens_total")
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=TIMEOUT) as reply:
         lines = reply.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
@@ -292,6 +323,9 @@ def test_disconnect_mid_stream_cancels_generation_and_the_next_request_runs(engi
     stats = engine.last_stats
     assert stats.stop_reason == "interrupted" and stats.new_tokens < 1500
     assert time.monotonic() - t < 5
+    # the abandoned stream's tokens were generated all the same: they count
+    wait_for(lambda: metric(server, "speculant_generated_tokens_total") == generated + stats.new_tokens,
+             what="counting the abandoned stream's tokens")
     assert 'speculant_requests_total{endpoint="completions",status="499"}' in httpx.get(server + "/metrics").text
     expected = offline(engine, PROMPTS[1], max_new_tokens=8, temperature=0).text
     assert client.completions.create(model="speculant", prompt=PROMPTS[1], max_tokens=8,
@@ -339,7 +373,9 @@ def test_generation_past_the_timeout_ends_with_an_error(engine):
             events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
         text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+        generated = metric(url, "speculant_generated_tokens_total")
     assert engine.last_stats.new_tokens < 1500
+    assert generated > engine.last_stats.new_tokens > 0  # both timed-out requests' tokens count
     # the stream's 200 header went out before the timeout: its outcome is counted when it ends
     assert 'speculant_requests_total{endpoint="completions",status="504"} 2.0' in text
     assert 'status="200"' not in text

@@ -20,9 +20,14 @@ def create_app(engine: Any, **options: Any):
 
 
 def run(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info",
-        **options: Any) -> None:
-    """Serve ``engine`` with uvicorn until interrupted."""
+        sock: Any = None, **options: Any) -> None:
+    """Serve ``engine`` with uvicorn until interrupted, on ``sock`` when given (a socket from
+    :func:`speculant.serve.listen.bind`, bound before the weights loaded), else on ``host:port``."""
+    from speculant.serve.listen import bind, uvicorn_config
+
     import uvicorn
 
-    uvicorn.run(create_app(engine, **options), host=host, port=port, log_level=log_level,
-                limit_concurrency=None, timeout_graceful_shutdown=5)
+    sock = sock if sock is not None else bind(host, port)
+    config = uvicorn_config(create_app(engine, **options), log_level=log_level, limit_concurrency=None,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -2,42 +2,52 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import copy
 import hmac
-import json
+import math
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from speculant.core.errors import ContextTooLongError, EngineBusyError, GenerationError, SettingError
 from speculant.core.types import Chunk
 from speculant.serve.metrics import CONTENT_TYPE, ServerMetrics, speculative_stats
 from speculant.serve.responses import Shape, finish_reason, sse, usage
-from speculant.serve.schemas import CLIENT_LEFT, ApiError, ChatRequest, CompletionRequest, client_left, parse
+from speculant.serve.prompt import PromptReader
+from speculant.serve.schemas import CLIENT_LEFT, ApiError, ChatRequest, CompletionRequest, client_left, parse, read_json
 from speculant.serve.worker import Done, Failed, Job, Worker
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
+BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this
 
 
 def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | None = None, max_queue: int = 64,
-               timeout: float = 600.0, max_body_bytes: int = 1 << 20) -> FastAPI:
+               timeout: float = 600.0, max_body_bytes: int = 1 << 20, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """An app serving ``engine`` (loaded once) under the model name ``model_name``."""
+    if api_key is not None:
+        check_api_key(api_key, "api_key")
+    for name, seconds in (("timeout", timeout), ("body_timeout", body_timeout)):
+        if isinstance(seconds, bool) or not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, not {seconds!r}")
     metrics = ServerMetrics()
-    server = _Server(engine, model_name, metrics, Worker(engine, max_queue, timeout, metrics.queue_depth.set),
-                     max_body_bytes)
+    worker = Worker(engine, max_queue, timeout, metrics.queue_depth.set,
+                    on_finish=lambda stats: metrics.record(stats, engine.speculative))
+    server = _Server(engine, model_name, metrics, worker, max_body_bytes, body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         server.worker.close()
+        server.prompts.close()
 
     app = FastAPI(title="speculant", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
 
-    if api_key:
+    if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.exception_handler(ApiError)
@@ -48,7 +58,7 @@ def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | Non
     async def http_error(request: Request, exc: StarletteHTTPException):
         return _error(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "queue_depth": server.worker.waiting}
 
@@ -72,17 +82,31 @@ def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | Non
     return app
 
 
+def check_api_key(key: str, source: str) -> str:
+    """``key``, unless no client could send it or it would leave the server open: empty (a shell
+    variable that was unset), spaces around it (a file read with its newline), not printable ASCII."""
+    if not key:
+        raise ValueError(f"{source} is empty, which would leave the server open: give a key, or give none "
+                         "to serve without one")
+    if key != key.strip():
+        raise ValueError(f"{source} has spaces or a newline around it, which no client sends: strip them")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"{source} must be printable ASCII (an HTTP header carries it)")
+    return key
+
+
 class BearerAuth:
     """Pure ASGI (no BaseHTTPMiddleware, which re-buffers every streamed chunk): every path but
-    /health needs ``Authorization: Bearer <key>``."""
+    /health needs exactly one ``Authorization: Bearer <key>`` header."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            given = [value for name, value in scope["headers"] if name.lower() == b"authorization"]
+            # two headers, one wrong: a proxy and a client disagree on who this is; refuse
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                  "authentication_error", code="invalid_api_key")
                 await _error(error)(scope, receive, send)
@@ -91,16 +115,15 @@ class BearerAuth:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 class _Server:
-    def __init__(self, engine: Any, model_name: str, metrics: ServerMetrics, worker: Worker, max_body: int) -> None:
-        self.engine, self.model_name, self.metrics, self.worker, self.max_body = engine, model_name, metrics, worker, max_body
-        # The engine's thread decodes with its tokenizer while requests are tokenized here: a
-        # copy of their own, since a fast tokenizer refuses concurrent use ("Already borrowed").
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.window = engine.target.info.max_position_embeddings
+    def __init__(self, engine: Any, model_name: str, metrics: ServerMetrics, worker: Worker, max_body: int,
+                 body_timeout: float) -> None:
+        self.engine, self.model_name, self.metrics, self.worker = engine, model_name, metrics, worker
+        self.max_body, self.body_timeout = max_body, body_timeout
+        self.prompts = PromptReader(engine.tokenizer, engine.target.info.max_position_embeddings)
 
     async def complete(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
@@ -122,7 +145,7 @@ class _Server:
         if req.logprobs:
             raise ApiError(400, "logprobs are not supported by speculant serve", param="logprobs",
                            code="unsupported_parameter")
-        ids = self._prompt_ids(req, chat)
+        ids = await self.prompts.ids(req, chat)
         job = await self.worker.submit(ids, req.new_tokens(), req.sampling(), gone=request.is_disconnected)
         try:
             first = await job.events.get()
@@ -142,42 +165,21 @@ class _Server:
         if declared and declared.isdigit() and int(declared) > self.max_body:
             raise _too_large(self.max_body)
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > self.max_body:
-                raise _too_large(self.max_body)
         try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-
-    def _prompt_ids(self, req: Any, chat: bool) -> list[int]:
-        if chat:
-            ids = self.tokenizer.encode(self._render(req), add_special_tokens=False)
-        elif isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt)  # with special tokens, as engine.generate(prompt) does
-        else:
-            ids = list(req.prompt)
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt" if not chat else "messages")
-        if self.window is not None and len(ids) >= self.window:
-            raise ApiError(413, f"the prompt has {len(ids)} tokens but the model's context window is {self.window}",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
-        return ids
-
-    def _render(self, req: ChatRequest) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions with a text prompt",
-                           param="messages", code="no_chat_template")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001  a template's own refusal (e.g. no system role)
-            raise ApiError(400, f"cannot render the messages with the chat template: {exc}", param="messages") from None
+            async with asyncio.timeout(self.body_timeout):  # a client that stalls mid-body holds a socket
+                async for part in request.stream():
+                    data += part
+                    if len(data) > self.max_body:
+                        raise _too_large(self.max_body)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s", code="timeout",
+                           headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise client_left("while sending the request body") from None
+        return read_json(bytes(data))
 
     def _finish(self, done: Done) -> tuple[str, dict, dict]:
-        self.metrics.record(done.stats, self.engine.speculative)
-        stats = done.stats
+        stats = done.stats  # the worker counted its tokens already, whoever reads this
         extra = speculative_stats(stats)
         extra["engine"] = "speculative" if self.engine.speculative else "plain"
         return finish_reason(stats.stop_reason if stats else None), usage(
@@ -194,7 +196,6 @@ class _Server:
                         left = True
                         job.cancel.set()
                 elif isinstance(event, Failed):
-                    self.metrics.record(event.stats, self.engine.speculative)
                     raise _as_api_error(event.error)
                 elif isinstance(event, Done):
                     if event.timed_out:
@@ -223,7 +224,6 @@ class _Server:
                     if event.text:  # a send to a client that left ends this generator: see finally
                         yield sse(shape.chunk(event.text))
                 elif isinstance(event, Failed):
-                    self.metrics.record(event.stats, self.engine.speculative)
                     error = _as_api_error(event.error)
                     status = error.status
                     yield sse(error.body())
@@ -253,7 +253,7 @@ def _as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, SettingError):
         return ApiError(400, str(exc), param=(exc.field or "").split(".")[-1] or None, code="invalid_value")
     if isinstance(exc, ContextTooLongError):
-        return ApiError(413, str(exc), param="prompt", code="context_length_exceeded")
+        return ApiError(400, str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, EngineBusyError):
         return ApiError(503, str(exc), "server_error", code="engine_busy")
     if isinstance(exc, GenerationError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -40,22 +41,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         from speculant.serve import run
+        from speculant.serve.listen import ListenError, bind, is_loopback
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise UsageError(f"speculant serve needs the [serve] extra: pip install 'speculant[serve]' ({exc})") from None
-    if args.max_queue < 0 or args.timeout <= 0 or args.max_body_bytes <= 0:
-        raise UsageError("--max-queue must be >= 0, --timeout and --max-body-bytes > 0")
-    engine = load_engine(build_config(args), registry=load_registry(args))
-    for problem in engine.report.warnings if engine.report else []:
-        warn(str(problem))
-    api_key = args.api_key or os.environ.get("SPECULANT_API_KEY") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        warn(f"serving on {args.host} without --api-key: anyone who can reach this port can use the model")
-    print(f"speculant: serving {args.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    run(engine, host=args.host, port=args.port, model_name=args.model_name, api_key=api_key,
-        max_queue=args.max_queue, timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+    _check_limits(args, UsageError)
+    api_key = _api_key(args, UsageError)
+    try:  # before the weights load: a bad address or a taken port fails in a second, not a minute
+        sock = bind(args.host, args.port)
+    except ListenError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        engine = load_engine(build_config(args), registry=load_registry(args))
+        for problem in engine.report.warnings if engine.report else []:
+            warn(str(problem))
+        if not is_loopback(args.host) and not api_key:
+            warn(f"serving on {args.host} without --api-key: anyone who can reach this port can use the model")
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"speculant: serving {args.model_name!r} on http://{shown}:{args.port}/v1", file=sys.stderr)
+        run(engine, sock=sock, model_name=args.model_name, api_key=api_key, max_queue=args.max_queue,
+            timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+    finally:
+        sock.close()
     return 0
+
+
+def _check_limits(args: argparse.Namespace, error: type[Exception]) -> None:
+    if args.max_queue < 0:
+        raise error(f"--max-queue {args.max_queue}: give 0 or more")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise error(f"--timeout {args.timeout}: give a finite number of seconds > 0")
+    if args.max_body_bytes <= 0:
+        raise error(f"--max-body-bytes {args.max_body_bytes}: give a size > 0")
+
+
+def _api_key(args: argparse.Namespace, error: type[Exception]) -> str | None:
+    """--api-key, else $SPECULANT_API_KEY, else None (no key)."""
+    from speculant.serve.app import check_api_key
+
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif "SPECULANT_API_KEY" in os.environ:
+        key, source = os.environ["SPECULANT_API_KEY"], "$SPECULANT_API_KEY"
+    else:
+        return None
+    try:
+        return check_api_key(key, source)
+    except ValueError as exc:
+        raise error(str(exc)) from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:

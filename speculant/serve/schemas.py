@@ -1,23 +1,30 @@
 """Request bodies of the OpenAI API as pydantic models, and the OpenAI error body.
 
 Unknown fields are refused (as OpenAI does), except the few clients send by default and that
-change nothing here; ranges follow OpenAI's, ``top_k`` follows vLLM's (-1 or 0 = off).
+change nothing here; ranges follow OpenAI's, ``top_k`` follows vLLM's (-1 or 0 = off). Types are
+strict: ``true`` is no integer, ``"16"`` no number, ``1`` no boolean (an integer is a number, as
+JSON has it: ``temperature: 1`` is 1.0); NaN and infinities are refused.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MIN_TEMPERATURE = 1e-6  # below it, sampling is greedy decoding that can overflow the logits
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ApiError(Exception):
     """An error the server answers with an OpenAI-shaped body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -31,12 +38,12 @@ def client_left(when: str) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -52,6 +59,13 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:  # logits / 1e-320 overflow: a 500 mid-request
+            raise ValueError(f"give 0 for greedy decoding or at least {MIN_TEMPERATURE:g}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -79,7 +93,7 @@ class _Common(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]]
     name: str | None = None
@@ -118,17 +132,40 @@ class CompletionRequest(_Common):
         return value
 
 
+def read_json(data: bytes) -> Any:
+    """The request body as JSON (pydantic's Rust parser: a depth limit instead of Python's
+    RecursionError, no NaN or Infinity, no lone UTF-16 surrogates); a 400 ``invalid_json`` if not."""
+    try:
+        return pydantic_core.from_json(data, allow_inf_nan=False)
+    except ValueError as exc:
+        problem = str(exc)
+        hint = next((h for key, h in JSON_HINTS.items() if key in problem), "")
+        raise ApiError(400, f"the request body is not valid JSON: {problem}{hint}", code="invalid_json") from None
+
+
+JSON_HINTS = {
+    "recursion limit": " (nested too deeply)",
+    "surrogate": " (a lone UTF-16 surrogate such as \\ud800 is not text)",
+    "hex escape": " (a lone UTF-16 surrogate such as \\ud800 is not text)",
+    "unicode code point": " (not UTF-8 text)",
+    "utf-8": " (not UTF-8 text)",
+}
+
+
 def parse(model: type[BaseModel], data: Any) -> Any:
-    """``model.model_validate(data)``; the first problem as a 400 naming the field."""
+    """``model.model_validate(data)``; the first field's problems as a 400 naming the field."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors(include_url=False)
+        err = errors[0]
         param = str(err["loc"][0]) if err["loc"] else None  # the request field, not a union member's tag
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        kind = "unrecognized_argument" if err["type"] == "extra_forbidden" else err["type"]
-        message = ("Unrecognized request argument supplied: " + str(param) if err["type"] == "extra_forbidden"
-                   else f"{where}: {err['msg']}")
-        raise ApiError(400, message, param=param, code=kind) from None
+        if err["type"] == "extra_forbidden":
+            raise ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                           code="unrecognized_argument") from None
+        # a union field (prompt, stop, content) fails once per member: say what each wanted
+        same = [e for e in errors if e["loc"][:1] == err["loc"][:1]][:3]
+        message = "; or ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in same)
+        raise ApiError(400, message, param=param, code=err["type"]) from None

@@ -10,6 +10,7 @@ client that vanished never leaves the engine held.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from speculant.core.metrics import GenerationStats
 from speculant.core.types import Chunk
 from speculant.serve.schemas import ApiError, client_left
 
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often a waiting request asks whether its client is still there
 
@@ -72,7 +75,8 @@ class Job:
 class Worker:
     """Serializes requests to one engine; ``max_queue`` requests may wait, more get a 429."""
 
-    def __init__(self, engine: Any, max_queue: int = 64, timeout: float = 600.0, on_queue=None) -> None:
+    def __init__(self, engine: Any, max_queue: int = 64, timeout: float = 600.0, on_queue=None,
+                 on_finish: Callable[[GenerationStats], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.timeout = timeout
@@ -80,6 +84,9 @@ class Worker:
         self._turn = asyncio.Lock()  # FIFO: asyncio wakes lock waiters in arrival order
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="speculant-engine")
         self._on_queue = on_queue or (lambda depth: None)
+        # called in the worker thread with every generation's stats, however it ended: the
+        # tokens of a stream whose client left or that timed out count like any others
+        self._on_finish = on_finish or (lambda stats: None)
 
     async def submit(self, prompt_ids: list[int], max_new_tokens: int | None, overrides: dict[str, Any],
                      gone: Callable[[], Awaitable[bool]] | None = None) -> Job:
@@ -128,11 +135,27 @@ class Worker:
         self._on_queue(self.waiting)
 
     def _run(self, job: Job) -> None:
-        """In the worker thread: generate, hand every chunk over, stop on cancel or deadline."""
-        engine = self.engine
+        """In the worker thread: generate, count the tokens, hand the end over, pass the turn on."""
+        try:
+            end = self._generate(job)
+            if end.stats is not None:
+                try:
+                    self._on_finish(end.stats)  # before the client hears of the end, so /metrics agrees
+                except Exception:  # noqa: BLE001  a metrics fault must not leave the client waiting
+                    logger.exception("speculant: recording a request's metrics failed")
+            job.put(end)
+        finally:
+            try:
+                job.loop.call_soon_threadsafe(self._turn.release)
+            except RuntimeError:
+                pass
+
+    def _generate(self, job: Job) -> Done | Failed:
+        """Hand every chunk over; stop on cancel or deadline."""
         chunks = None
         try:
-            chunks = engine.generate(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, **job.overrides)
+            chunks = self.engine.generate(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens,
+                                          **job.overrides)
             job.put(Started())
             timed_out = False
             try:
@@ -145,11 +168,6 @@ class Worker:
                         break
             finally:
                 chunks.close()  # frees the engine; the request's own record holds its stats
-            job.put(Done(chunks.stats, chunks.token_ids, timed_out))
+            return Done(chunks.stats, chunks.token_ids, timed_out)
         except Exception as exc:  # noqa: BLE001  every failure goes to the client, never kills the server
-            job.put(Failed(exc, None if chunks is None else chunks.stats))
-        finally:
-            try:
-                job.loop.call_soon_threadsafe(self._turn.release)
-            except RuntimeError:
-                pass
+            return Failed(exc, None if chunks is None else chunks.stats)
