@@ -47,3 +47,23 @@ def smollm2() -> tuple[Path, Path, Path]:
     if isinstance(got, str):
         pytest.skip(got)
     return got
+
+
+def random_drafters(root: Path, target: Path, block_size: int = 4) -> dict[str, Path]:
+    """Untrained one-layer DFlash2 and DFlash drafters shaped for ``target`` (30 layers, hidden
+    576): drafts are almost never accepted, so every cycle exercises rejection and rollback. The
+    builders read the mask id from a ``<|mask|>`` token SmolLM2 lacks: a stand-in folder names
+    ``<|endoftext|>`` (id 0) as the mask."""
+    import json
+
+    from speculant.testing.tiny import build_tiny_dflash, target_layer_ids_for
+    from speculant.testing.tiny_dflash2 import build_tiny_dflash2
+
+    stand_in = root / "target-shape"
+    stand_in.mkdir(parents=True, exist_ok=True)
+    shutil.copy(target / "config.json", stand_in / "config.json")
+    (stand_in / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 0, "content": "<|mask|>"}]}))
+    layers = target_layer_ids_for(json.loads((target / "config.json").read_text())["num_hidden_layers"], 3)
+    common = dict(num_layers=1, block_size=block_size, target_layer_ids=layers)
+    return {"dflash2": build_tiny_dflash2(root / "dflash2", stand_in, seed=1, **common),
+            "dflash": build_tiny_dflash(root / "dflash", stand_in, seed=2, **common)}
