@@ -156,3 +156,48 @@ def test_converted_logits_equal_transformers_gguf_load(torch_threads):
         theirs = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)(ids).logits
     assert ours.shape == theirs.shape == (1, ids.shape[1], 49152)
     assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+# -- --pair on the command line (a cached folder stands in: no pull) --------------------------
+@pytest.fixture
+def cached_smollm2(tmp_path, monkeypatch):
+    """A folder the cache check accepts, so --pair smollm2 resolves without fetching."""
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    folder = model_dir(SMOLLM2)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    manifest = {"format": 1, "source": {"wheel_sha256": SMOLLM2.sha256}, "converter": {"version": 1},
+                "files": {"config.json": {"sha256": "-", "bytes": 2}}}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def pair_config(*args: str):
+    from speculant.cli import build_config, build_parser
+
+    return build_config(build_parser().parse_args(["generate", "hi", *args]))
+
+
+def test_pair_smollm2_runs_the_cached_target_plain_until_drafters_ship(cached_smollm2, monkeypatch, tmp_path):
+    from speculant import pairs
+    from speculant.cli_settings import UsageError
+
+    monkeypatch.setattr(pairs, "PACKAGE_DIR", tmp_path / "package")
+    config = pair_config("--pair", "smollm2", "--backend", "torch")
+    assert config.target.path == cached_smollm2 and not config.drafter.enabled
+    with pytest.raises(UsageError, match="--drafter: the smollm2 pair ships drafters: none; got 'dflash2'"):
+        pair_config("--pair", "smollm2", "--drafter", "dflash2")
+    shipped = tmp_path / "package" / "smollm2" / "dflash2"
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text("{}")
+    config = pair_config("--pair", "smollm2", "--backend", "torch")
+    assert (config.drafter.kind, config.drafter.path) == ("dflash2", shipped)
+    assert not pair_config("--pair", "smollm2", "--drafter", "none").drafter.enabled
+
+
+def test_pair_flag_conflicts_with_a_target_or_config():
+    from speculant.cli_settings import UsageError
+
+    with pytest.raises(UsageError, match="--pair names a model pair"):
+        pair_config("--pair", "smollm2", "--target", "somewhere")
+    assert "embedded" in str(pair_config("--pair", "tiny").target.path)  # the shipped pair, as with no flag
