@@ -201,3 +201,18 @@ def test_pair_flag_conflicts_with_a_target_or_config():
     with pytest.raises(UsageError, match="--pair names a model pair"):
         pair_config("--pair", "smollm2", "--target", "somewhere")
     assert "embedded" in str(pair_config("--pair", "tiny").target.path)  # the shipped pair, as with no flag
+
+
+def test_bench_quick_pair_smollm2_measures_plain_decoding_until_drafters_ship(cached_smollm2, monkeypatch, tmp_path):
+    import argparse
+
+    from speculant import pairs
+    from speculant.bench.command import add_parser, build_config
+
+    monkeypatch.setattr(pairs, "PACKAGE_DIR", tmp_path / "package")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--quick", "--pair", "smollm2", "--out", str(tmp_path / "out"), "--no-progress"])
+    cfg = build_config(args, lambda text: None)
+    assert cfg.targets[0].path == cached_smollm2
+    assert [d.kind for d in cfg.matrix.drafters] == ["none"]
