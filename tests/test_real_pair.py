@@ -216,3 +216,37 @@ def test_bench_quick_pair_smollm2_measures_plain_decoding_until_drafters_ship(ca
     cfg = build_config(args, lambda text: None)
     assert cfg.targets[0].path == cached_smollm2
     assert [d.kind for d in cfg.matrix.drafters] == ["none"]
+
+
+# -- a SmolLM2 folder as published on the Hugging Face Hub ------------------------------------
+@pytest.fixture(scope="module")
+def hub_style_folder(tmp_path_factory):
+    """The converted tokenizer under the Hub folder's tokenizer_config (``GPT2Tokenizer``), for
+    which transformers 5 rebuilds a plain byte-level pre-tokenizer and drops the digit split."""
+    folder = tmp_path_factory.mktemp("hub-smollm2")
+    converted = smollm2()[2]
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        (folder / name).write_bytes((converted / name).read_bytes())
+    config = json.loads((converted / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    return folder
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_a_hub_folder_keeps_the_digit_split_on_both_backends(hub_style_folder, tokenizer, backend):
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(hub_style_folder).tokenize("abc  42") == ["abc", "Ġ", "Ġ", "4", "2"]
+    if backend == "torch":
+        from speculant.backends.torch.target import load_tokenizer
+
+        loaded = load_tokenizer(str(hub_style_folder))
+    else:
+        pytest.importorskip("mlx_lm")
+        from speculant.backends.mlx.target import load_tokenizer
+        from speculant.core.types import TargetInfo
+
+        info = TargetInfo(str(hub_style_folder), "llama", 49152, 576, 30, eos_token_ids=(2,))
+        loaded = load_tokenizer(str(hub_style_folder), info)
+    for text in digit_strings(100, seed=1):
+        assert loaded.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False), text
