@@ -4,7 +4,7 @@ sampled tokens at temperature 0.8 follow the target's distribution (chi-square).
 untrained (random) DFlash2 and DFlash networks of the target's shape, with prompt lookup on, so
 both rejected model drafts and accepted copies pass through the verifier.
 
-About 7 minutes on two busy cores: marked ``slow`` and ``real_pair``."""
+About 10 minutes on two busy cores: marked ``slow`` and ``real_pair``."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def test_greedy_identity_torch(pair, torch_threads):
 def test_greedy_identity_mlx(pair):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    greedy_identity("mlx", pair, [("dflash2", True, 0), ("dflash2", True, 1), ("dflash", True, 0)])
+    # two prompts, one per drafter: a verify block costs MLX on a CPU several plain steps
+    greedy_identity("mlx", pair, [("dflash2", True, 1), ("dflash", True, 0)])
 
 
 def test_first_sampled_tokens_follow_the_target_at_temperature_0_8(pair, torch_threads):
