@@ -11,7 +11,7 @@ import grimp
 
 PACKAGES = (
     "speculant.cli", "speculant.cli_settings", "speculant.check", "speculant.serve", "speculant.bench",
-    "speculant.training", "speculant.testing", "speculant.embedded", "speculant.api", "speculant.plugins",
+    "speculant.training", "speculant.testing", "speculant.embedded", "speculant.pairs", "speculant.api", "speculant.plugins",
     "speculant.backends", "speculant.drafters", "speculant.verifiers", "speculant.plugin_api", "speculant.core",
 )
 

@@ -1,5 +1,5 @@
 """The ``speculant`` command: ``generate``, ``validate``, ``check``, ``plugins``, ``bench``, ``train``,
-``serve`` and ``export``.
+``serve``, ``export`` and ``pull``.
 
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
@@ -74,7 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub, common)
     _add_train(sub)
     _add_serve(sub, common)
+    _add_pull(sub, common)
     return parser
+
+
+def _add_pull(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``speculant pull``: in speculant.pairs.command (fetching and converting load nothing eagerly)."""
+    from speculant.pairs.command import add_parser
+
+    add_parser(sub, [common])
 
 
 def _add_train(sub: Any) -> None:

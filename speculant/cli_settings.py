@@ -34,6 +34,7 @@ class UsageError(SpeculantError):
 
 
 def add_override_flags(gen: argparse.ArgumentParser) -> None:
+    add_pair_flag(gen)
     g = gen.add_argument_group("settings (override the config file)")
     g.add_argument("--target", metavar="DIR", help="target model folder")
     g.add_argument("--draft", metavar="DIR", help="drafter checkpoint folder (kind defaults to dflash)")
@@ -53,6 +54,14 @@ def add_override_flags(gen: argparse.ArgumentParser) -> None:
                    help="prompt lookup: verify copies of what followed earlier occurrences of the last tokens")
 
 
+def add_pair_flag(parser: argparse.ArgumentParser) -> None:
+    from speculant.pairs import DEFAULT_PAIR, PAIRS
+
+    parser.add_argument("--pair", choices=sorted(PAIRS), metavar="NAME",
+                        help=f"the named model pair to run with no --config/--target: {', '.join(sorted(PAIRS))} "
+                             f"(default {DEFAULT_PAIR}; smollm2 is fetched and converted once, see `speculant pull`)")
+
+
 def load_registry(args: argparse.Namespace):
     from speculant.api import plugin_registry
 
@@ -61,6 +70,8 @@ def load_registry(args: argparse.Namespace):
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
     """The config file (paths relative to it) with the command-line flags applied on top."""
+    if getattr(args, "pair", None) and (args.config or args.target):
+        raise UsageError("--pair names a model pair to run without a config; drop it, or drop --config/--target")
     if args.config:
         data = EngineConfig.load(args.config).model_dump()
     elif args.target:
@@ -83,9 +94,18 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def embedded_config(args: argparse.Namespace) -> dict[str, Any]:
-    """No config and no --target: the model pair shipped with speculant."""
-    from speculant import embedded
+    """No config and no --target: the named pair (``--pair``; the one shipped with speculant by
+    default), its target pulled first where it is not cached."""
+    from speculant import embedded, pairs
 
+    name = getattr(args, "pair", None) or pairs.DEFAULT_PAIR
+    if name != "tiny":
+        if args.draft:
+            raise UsageError(f"--draft needs --target or --config (the {name} pair brings its own drafters)")
+        try:
+            return pairs.engine_config(name, args.drafter, backend=args.backend)
+        except ValueError as exc:
+            raise UsageError(f"--drafter: {exc}") from None
     if not embedded.available():
         raise UsageError("no model given and the shipped model pair is missing from this install: "
                          "pass --config engine.toml or --target MODEL_DIR")

@@ -42,6 +42,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser] | None = None) -
                    help="a small preset matrix on the default model (a tiny test pair when none is available)")
     p.add_argument("--reference", action="store_true",
                    help="add the reference dflash loop and transformers DFlash columns where they can run")
+    p.add_argument("--pair", metavar="NAME", help="with --quick: the named model pair (tiny, smollm2; default tiny)")
     g = p.add_argument_group("matrix (comma-separated lists)")
     g.add_argument("--target", metavar="DIR", help="target model folder")
     g.add_argument("--draft", metavar="DIR", help="draft checkpoint folder for drafters without their own path")
@@ -110,7 +111,9 @@ def build_config(args: argparse.Namespace, say=print) -> BenchConfig:
     if not data.get("targets") and not data.get("target"):
         if not args.quick:
             raise ConfigError("no model given: pass --config bench.toml, --target MODEL_DIR, or --quick")
-        target, draft = default_pair(say)
+        target, draft = default_pair(say, args.pair or "tiny")
+        if not draft and args.drafter is None:  # a pair with no drafters yet: plain decoding only
+            matrix["drafters"] = ["none"]
         data["target"] = str(target)
         data["draft"] = data.get("draft") or (str(draft) if isinstance(draft, Path) else {k: str(v) for k, v in draft.items()})
     return BenchConfig.load(data)
@@ -122,13 +125,17 @@ def _merge(base: dict, preset: dict) -> dict:
     return out
 
 
-def default_pair(say=print) -> tuple[Path, Path | dict[str, Path]]:
+def default_pair(say=print, pair: str = "tiny") -> tuple[Path, Path | dict[str, Path]]:
     """The default (target, draft) for --quick: the model pair shipped with speculant (a draft
-    folder per drafter kind). Where an install lacks it, a tiny random Qwen3 target and DFlash
-    draft with a planted shared bias, built once under $XDG_CACHE_HOME/speculant; their numbers
-    exercise the pipeline, not a real model."""
+    folder per drafter kind), or the named ``pair`` (pulled on first use). Where an install lacks
+    the shipped pair, a tiny random Qwen3 target and DFlash draft with a planted shared bias, built
+    once under $XDG_CACHE_HOME/speculant; their numbers exercise the pipeline, not a real model."""
 
-    from speculant import embedded
+    from speculant import embedded, pairs
+
+    if pair != "tiny":
+        paths = pairs.ensure_pair(pair, say=say)
+        return paths.target, paths.drafters
 
     if embedded.available():
         return embedded.PAIR_DIR / "target", {kind: embedded.PAIR_DIR / kind for kind in embedded.DRAFTERS}

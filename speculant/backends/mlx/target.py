@@ -24,6 +24,7 @@ from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.interfaces import TargetModel
+from speculant.core.pre_tokenizer import restore_pre_tokenizer
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 PREFILL_STEP = 512  # prompt rows per prefill chunk (bounds activation memory)
@@ -327,4 +328,6 @@ def load_tokenizer(path: str, info: TargetInfo):
         return None
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
-    return mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)
+    tokenizer = mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)
+    restore_pre_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), folder)  # e.g. a Hub SmolLM2 folder's per-digit split
+    return tokenizer

@@ -15,6 +15,7 @@ from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
 from speculant.core.interfaces import TargetModel
+from speculant.core.pre_tokenizer import restore_pre_tokenizer
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 
@@ -297,4 +298,6 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    restore_pre_tokenizer(tokenizer, folder)  # e.g. a Hub SmolLM2 folder's per-digit split
+    return tokenizer
