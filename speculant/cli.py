@@ -4,7 +4,9 @@
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
 ``SPECULANT_DEBUG=1``) shows the traceback instead. Ctrl-C ends generation with what was
-produced, prints the statistics and exits 130.
+produced, prints the statistics and exits 130. A reader that goes away (``| head``) ends the
+command quietly with 141, as SIGPIPE would; a stdout that cannot be written (full, closed) is one
+line and exit 1.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from speculant import __version__
 from speculant.core.config import EngineConfig
 from speculant.core.errors import SpeculantError
 from speculant.cli_settings import (  # noqa: F401  (build_config, UsageError: the CLI's public helpers)
-    OVERRIDES, UsageError, add_override_flags, build_config, embedded_config, load_registry, warn,
+    OVERRIDES, StdoutError, StdoutGuard, UsageError, add_override_flags, build_config, embedded_config, load_registry,
+    stdout_failed, warn,
 )
 
 INTERRUPTED_EXIT = 130
@@ -104,10 +107,22 @@ def _add_check(sub: Any, common: argparse.ArgumentParser) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is None:
         raise UsageError("no prompt: give PROMPT, or - to read it from stdin")
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = read_stdin() if args.prompt == "-" else args.prompt
     if not text:
         raise UsageError("the prompt is empty")
     return text
+
+
+def read_stdin() -> str:
+    """All of stdin as UTF-8 text, whatever the locale; bad bytes are the user's input error."""
+    if sys.stdin is None:
+        raise UsageError("PROMPT -: stdin is closed; give the prompt as an argument")
+    stream = getattr(sys.stdin, "buffer", None)
+    try:
+        return stream.read().decode("utf-8") if stream is not None else sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"stdin: the prompt is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+                         f"{exc.start}); convert it first, e.g. iconv -t UTF-8") from None
 
 
 def apply_chat_template(tokenizer: Any, prompt: str, system: str | None, thinking: bool | None) -> str:
@@ -116,7 +131,14 @@ def apply_chat_template(tokenizer: Any, prompt: str, system: str | None, thinkin
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     extra = {} if thinking is None else {"enable_thinking": thinking}
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    except Exception as exc:  # noqa: BLE001  the template's own refusal (raise_exception), in Jinja's types
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        if system:
+            raise UsageError(f"--system: the target's chat template refused the system message ({reason}); drop "
+                             "--system and put the instructions in the prompt") from None
+        raise UsageError(f"--chat: the target's chat template failed ({reason}); drop --chat") from None
 
 
 # -- generate --------------------------------------------------------------------------------
@@ -198,6 +220,9 @@ def stream(engine: Any, prompt: str, add_special_tokens: bool = True):
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
         chunks.close()  # runs the engine's cleanup, which records the stats
+    except BaseException:  # e.g. stdout went away: free the engine before the error is reported
+        chunks.close()
+        raise
     if not ended_with_newline and sys.stdout.isatty():
         sys.stdout.write("\n")
     sys.stdout.flush()
@@ -265,6 +290,18 @@ def quiet_third_party() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    real_stdout = sys.stdout
+    sys.stdout = StdoutGuard(real_stdout)
+    try:
+        return _main(argv)
+    except StdoutError as exc:
+        return stdout_failed(exc.error, real_stdout)
+    finally:
+        if isinstance(sys.stdout, StdoutGuard):
+            sys.stdout = real_stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("SPECULANT_DEBUG") == "1"
     if not debug:
@@ -272,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     restore = _watch_interrupts()
     try:
         return args.func(args)
+    except StdoutError:
+        raise
     except SpeculantError as exc:
         if debug:
             raise

@@ -396,7 +396,7 @@ def test_per_call_overrides_match_the_config_messages(torch_spec, planted_pair):
 
 # -- 5. errors that used to pass validate and crash generate --------------------------------------------
 CONFIG_FAULTS = [
-    ({"sampling": {"temperature": math.inf}}, "sampling.temperature"),
+    ({"sampling": {"temperature": 5e-324}}, "sampling.temperature"),
     ({"sampling": {"seed": -5}}, "sampling.seed"),
     ({"backend": {"device": "tpu"}}, "backend.device"),
     ({"backend": {"device": "cuda:7"}}, "backend.device"),
