@@ -269,12 +269,15 @@ def parse_quantization(spec: "QuantizationConfig | str | None") -> QuantizationC
             raise ValueError
         wbits, _, abits = weight[1:].partition("a")
         gs = int(rest[0][2:]) if rest else 64
-        return QuantizationConfig(weight_bits=int(wbits), activation_bits=int(abits or 16), group_size=gs,
-                                  quantize_all=quantize_all)
+        numbers = {"weight_bits": int(wbits), "activation_bits": int(abits or 16), "group_size": gs}
     except ValueError:
         raise ConfigError(
             f"drafter.quantization: cannot parse {spec!r}; expected 'w<bits>[a<bits>][:gs<group>][:all]', e.g. 'w4a16:gs64'"
         ) from None
+    try:
+        return QuantizationConfig(**numbers, quantize_all=quantize_all)
+    except ValidationError as exc:
+        raise ConfigError(f"drafter.quantization: {spec!r}: {error_lines(exc, QuantizationConfig)[0]}") from None
 
 
 QUANTIZATION_CHOICES = {"weight_bits": _QUANT_BITS, "activation_bits": _QUANT_ACT, "group_size": _QUANT_GROUPS}
