@@ -169,8 +169,7 @@ class Engine:
             elif key in generation_data:
                 generation_data[key] = value
             else:
-                known = ", ".join(sorted([*sampling_data, *generation_data, "block_size", "max_new_tokens",
-                                          "add_special_tokens"]))
+                known = ", ".join(sorted({*sampling_data, *generation_data, "block_size", "add_special_tokens"}))
                 raise SettingError(f"generate() got an unexpected setting {key!r} (known: {known})", key)
         if max_new_tokens is not None:
             generation_data["max_new_tokens"] = max_new_tokens

@@ -9,6 +9,7 @@ of range, the allowed range; never pydantic's raw text or its links.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -41,6 +42,7 @@ class UserModel(BaseModel):
 _TYPES = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
           "string_type": "a string", "list_type": "a list", "dict_type": "a table", "model_type": "a table",
           "path_type": "a path (a string)", "literal_error": None, "is_instance_of": None}
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_\-]+")
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _SIGNS = ((at.Gt, "gt", ">"), (at.Ge, "ge", "≥"), (at.Lt, "lt", "<"), (at.Le, "le", "≤"))
 
@@ -50,9 +52,15 @@ def error_lines(exc: ValidationError, model: type[BaseModel] | None = None, pref
     lines = []
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
-        field = ".".join(str(p) for p in ((prefix,) if prefix else ()) + loc) or "(root)"
+        field = ".".join([prefix] * bool(prefix) + [_key(p) for p in loc]) or "(root)"
         lines.append(f"{field}: {error_message(err, _metadata(model, loc))}")
     return lines
+
+
+def _key(part: Any) -> str:
+    """A path part as written, quoted when it is not a plain key (a key holding a newline, say)."""
+    text = str(part)
+    return text if _PLAIN_KEY.fullmatch(text) else repr(text)
 
 
 def error_message(err: dict, metadata: list | None = None) -> str:
