@@ -119,7 +119,10 @@ def read_stdin() -> str:
         raise UsageError("PROMPT -: stdin is closed; give the prompt as an argument")
     stream = getattr(sys.stdin, "buffer", None)
     try:
-        return stream.read().decode("utf-8") if stream is not None else sys.stdin.read()
+        if stream is None:  # a replaced stdin (tests, embedding programs) that is already text
+            return sys.stdin.read()
+        text = stream.read().decode("utf-8")
+        return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text-mode stdin
     except UnicodeDecodeError as exc:
         raise UsageError(f"stdin: the prompt is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
                          f"{exc.start}); convert it first, e.g. iconv -t UTF-8") from None

@@ -238,7 +238,8 @@ class Engine:
             except KeyboardInterrupt:  # while decoding text: the same end as inside a cycle
                 loop.stop("interrupted")
             except _Cancelled:  # Generation.cancel() while the stream waited at a chunk
-                loop.stop("cancelled")
+                loop.cancel.set()
+                loop.cancelled()  # keeps a reason already reached (a stop string's last chunk)
                 tail = decoder.flush()
         finally:
             if cycles is not None:

@@ -66,7 +66,8 @@ class Loop:
         # timed phases would wait for each draft, and a sampled bonus token is drawn on the host
         return wanted and e.verifier.allows_draft_ahead and self.sampling.is_greedy and not self.timed
 
-    def _cancelled(self) -> bool:
+    def cancelled(self) -> bool:
+        """True once ``cancel`` is set, which ends the request unless it already has a stop reason."""
         if self.cancel.is_set() and self._stop_reason is None:
             self._stop_reason = "cancelled"
         return self._stop_reason == "cancelled"
@@ -80,7 +81,7 @@ class Loop:
     def cycles(self) -> Iterator[list[int]]:
         e = self.e
         try:
-            if self._cancelled():
+            if self.cancelled():
                 return
             e.backend.reset_peak_memory()
             e.target.reset()
@@ -93,11 +94,11 @@ class Loop:
             new = self._emit(first)
             yield new
             position = len(self.prompt_ids)
-            steps = self._greedy_steps(first[-1]) if self._stop_reason is None and not self._cancelled() else None
+            steps = self._greedy_steps(first[-1]) if self._stop_reason is None and not self.cancelled() else None
             if steps is not None:
                 yield from self._plain_greedy(steps, position)
                 return
-            while self._stop_reason is None and not self._cancelled():
+            while self._stop_reason is None and not self.cancelled():
                 new = self._cycle(position, new[-1] if new else self.produced[-1])
                 position += len(new)
                 yield new
@@ -123,7 +124,7 @@ class Loop:
                 self.stats.record_cycle(0, 0, len(new))
                 position += len(new)
                 yield new
-                if self._stop_reason is not None or self._cancelled():
+                if self._stop_reason is not None or self.cancelled():
                     break
         finally:
             steps.close()

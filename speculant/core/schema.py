@@ -41,7 +41,7 @@ class UserModel(BaseModel):
 
 _TYPES = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
           "string_type": "a string", "list_type": "a list", "dict_type": "a table", "model_type": "a table",
-          "path_type": "a path (a string)", "literal_error": None, "is_instance_of": None}
+          "path_type": "a path (a string)"}
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_\-]+")
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _SIGNS = ((at.Gt, "gt", ">"), (at.Ge, "ge", "≥"), (at.Lt, "lt", "<"), (at.Le, "le", "≤"))
@@ -120,8 +120,7 @@ def _metadata(model: type[BaseModel] | None, loc: tuple) -> list | None:
             return None
         field = sub.model_fields[part]
         annotation, metadata = field.annotation, list(field.metadata)
-    inner, extra = _unwrap(annotation)
-    return metadata + extra
+    return metadata + _unwrap(annotation)[1]
 
 
 def _unwrap(annotation: Any) -> tuple[Any, list]:
