@@ -242,13 +242,15 @@ class Engine:
                 loop.cancelled()  # keeps a reason already reached (a stop string's last chunk)
                 tail = decoder.flush()
         finally:
-            if cycles is not None:
-                cycles.close()  # its own cleanup (the pipelined greedy path's crop) runs while the engine is held
-            if loop is not None:
-                loop.finish()
-                record.stats = self.last_stats = loop.stats
-                record.token_ids = self.last_token_ids = loop.produced
-            self._busy.release()
+            try:
+                if cycles is not None:
+                    cycles.close()  # its own cleanup (the pipelined greedy path's crop) runs while the engine is held
+                if loop is not None:
+                    loop.finish()
+                    record.stats = self.last_stats = loop.stats
+                    record.token_ids = self.last_token_ids = loop.produced
+            finally:
+                self._busy.release()
         yield Chunk(tail, [], loop.stats.stop_reason, loop.stats)
 
 
