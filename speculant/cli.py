@@ -5,7 +5,9 @@ Text goes to stdout, statistics and diagnostics to stderr. speculant's own error
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
 ``SPECULANT_DEBUG=1``) shows the traceback instead. Ctrl-C ends generation with what was
 produced, prints the statistics and exits 130. Other libraries' logging and warnings stay off the
-terminal (speculant.core.quiet); ``-v``/``--verbose`` or ``--debug`` shows them.
+terminal (speculant.core.quiet); ``-v``/``--verbose`` or ``--debug`` shows them. A reader that goes
+away (``| head``) ends the command quietly with 141, as SIGPIPE would; a stdout that cannot be
+written (full, closed) is one line and exit 1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from speculant.core.config import EngineConfig
 from speculant.core.errors import SpeculantError
 from speculant.core.quiet import third_party_quiet
 from speculant.cli_settings import (  # noqa: F401  (build_config, UsageError: the CLI's public helpers)
-    OVERRIDES, UsageError, add_override_flags, build_config, embedded_config, load_registry, warn,
+    OVERRIDES, StdoutError, StdoutGuard, UsageError, add_override_flags, build_config, embedded_config, load_registry,
+    stdout_failed, warn,
 )
 
 INTERRUPTED_EXIT = 130
@@ -117,10 +120,25 @@ def _add_check(sub: Any, common: argparse.ArgumentParser) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is None:
         raise UsageError("no prompt: give PROMPT, or - to read it from stdin")
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = read_stdin() if args.prompt == "-" else args.prompt
     if not text:
         raise UsageError("the prompt is empty")
     return text
+
+
+def read_stdin() -> str:
+    """All of stdin as UTF-8 text, whatever the locale; bad bytes are the user's input error."""
+    if sys.stdin is None:
+        raise UsageError("PROMPT -: stdin is closed; give the prompt as an argument")
+    stream = getattr(sys.stdin, "buffer", None)
+    try:
+        if stream is None:  # a replaced stdin (tests, embedding programs) that is already text
+            return sys.stdin.read()
+        text = stream.read().decode("utf-8")
+        return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text-mode stdin
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"stdin: the prompt is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+                         f"{exc.start}); convert it first, e.g. iconv -t UTF-8") from None
 
 
 def apply_chat_template(tokenizer: Any, prompt: str, system: str | None, thinking: bool | None) -> str:
@@ -129,7 +147,14 @@ def apply_chat_template(tokenizer: Any, prompt: str, system: str | None, thinkin
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     extra = {} if thinking is None else {"enable_thinking": thinking}
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    except Exception as exc:  # noqa: BLE001  the template's own refusal (raise_exception), in Jinja's types
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        if system:
+            raise UsageError(f"--system: the target's chat template refused the system message ({reason}); drop "
+                             "--system and put the instructions in the prompt") from None
+        raise UsageError(f"--chat: the target's chat template failed ({reason}); drop --chat") from None
 
 
 # -- generate --------------------------------------------------------------------------------
@@ -211,6 +236,9 @@ def stream(engine: Any, prompt: str, add_special_tokens: bool = True):
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
         chunks.close()  # runs the engine's cleanup, which records the stats
+    except BaseException:  # e.g. stdout went away: free the engine before the error is reported
+        chunks.close()
+        raise
     if not ended_with_newline and sys.stdout.isatty():
         sys.stdout.write("\n")
     sys.stdout.flush()
@@ -268,12 +296,26 @@ def print_plugin(p: Any, show_traceback: bool) -> None:
 
 # -- entry point -----------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
+    real_stdout = sys.stdout
+    sys.stdout = StdoutGuard(real_stdout)
+    try:
+        return _main(argv)
+    except StdoutError as exc:
+        return stdout_failed(exc.error, real_stdout)
+    finally:
+        if isinstance(sys.stdout, StdoutGuard):
+            sys.stdout = real_stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("SPECULANT_DEBUG") == "1"
     restore = _watch_interrupts()
     try:
         with third_party_quiet(enabled=not (debug or getattr(args, "verbose", False))):
             return args.func(args)
+    except StdoutError:
+        raise
     except SpeculantError as exc:
         if debug:
             raise

@@ -4,10 +4,13 @@ config file (or the shipped pair), the plugin registry a command uses, and its e
 from __future__ import annotations
 
 import argparse
+import errno
+import math
+import os
 import sys
 from typing import Any
 
-from speculant.core.config import EngineConfig
+from speculant.core.config import MIN_TEMPERATURE, EngineConfig
 from speculant.core.errors import SpeculantError
 
 # generate flag (argparse dest) -> dotted config field it overrides
@@ -29,6 +32,9 @@ OVERRIDES = {
 }
 
 
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+
 class UsageError(SpeculantError):
     """The command line is inconsistent (e.g. no prompt, no model)."""
 
@@ -40,8 +46,8 @@ def add_override_flags(gen: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="DIR", help="drafter checkpoint folder (kind defaults to dflash)")
     g.add_argument("--drafter", metavar="KIND", help="drafter kind, or none for plain decoding")
     g.add_argument("--block-size", type=int, metavar="N", help="draft block size (anchor + proposals)")
-    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
-    g.add_argument("--top-p", type=float, metavar="P")
+    g.add_argument("--temperature", type=temperature, metavar="T", help=f"0 = greedy, else at least {MIN_TEMPERATURE:g}")
+    g.add_argument("--top-p", type=finite_float, metavar="P")
     g.add_argument("--top-k", type=int, metavar="K")
     g.add_argument("--seed", type=int, metavar="N")
     g.add_argument("--max-new-tokens", type=int, metavar="N")
@@ -60,6 +66,26 @@ def add_pair_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pair", choices=sorted(PAIRS), metavar="NAME",
                         help=f"the named model pair to run with no --config/--target: {', '.join(sorted(PAIRS))} "
                              f"(default {DEFAULT_PAIR}; smollm2 is fetched and converted once, see `speculant pull`)")
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite float (``nan`` and ``inf`` are refused on the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def temperature(text: str) -> float:
+    """An argparse type: 0 (greedy) or a temperature from ``MIN_TEMPERATURE`` on."""
+    value = finite_float(text)
+    if value < 0 or 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: use 0 for greedy decoding or a temperature of at "
+                                         f"least {MIN_TEMPERATURE:g}")
+    return value
 
 
 def load_registry(args: argparse.Namespace):
@@ -119,3 +145,55 @@ def embedded_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def warn(message: str) -> None:
     print(f"speculant: warning: {message}", file=sys.stderr)
+
+
+# -- stdout -----------------------------------------------------------------------------------
+class StdoutError(Exception):
+    """Writing to stdout failed (its reader left, the disk is full, it is closed): not a bug."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class StdoutGuard:
+    """``sys.stdout`` while a command runs: a failed write raises :class:`StdoutError`, so the
+    command ends with one line (or quietly for a broken pipe) wherever the write was."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._stream is None:  # started with stdout closed (>&-)
+            raise StdoutError(OSError(errno.EBADF, os.strerror(errno.EBADF)))
+        try:
+            return getattr(self._stream, name)(*args)
+        except OSError as exc:
+            raise StdoutError(exc) from None
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def stdout_failed(error: OSError, stream: Any) -> int:
+    """Report a stdout that cannot be written; keep the interpreter's own final flush quiet."""
+    if stream is not None and stream is sys.__stdout__:
+        try:  # the unwritten buffer would fail again at exit: send it nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+    if isinstance(error, BrokenPipeError):
+        return BROKEN_PIPE_EXIT
+    print(f"speculant: error: cannot write to stdout: {error.strerror or error}", file=sys.stderr)
+    return 1

@@ -42,7 +42,9 @@ An engine is built from one config: a TOML, YAML or JSON file, a dict, or an `En
 required. Unknown keys are errors that name the key, and `speculant validate FILE` reports every
 problem at once before any weights load. Paths in a file are relative to that file. Per-call
 settings (`temperature`, `top_p`, `top_k`, `seed`, `max_new_tokens`, `block_size`, ...) go
-through the same checks. "unset" means the key is left out (`None` from Python).
+through the same checks. Values are taken as written: `true` is not a number, `"4"` is not 4 and
+`2.0` is not an integer (an integer is a fine float); floats must be finite, and every size has a
+maximum. "unset" means the key is left out (`None` from Python).
 """
 
 
@@ -153,6 +155,8 @@ def _is_union(annotation: Any) -> bool:
 
 
 def _type(annotation: Any) -> str:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _type(typing.get_args(annotation)[0])
     if _is_union(annotation):
         return " or ".join(_type(a) for a in typing.get_args(annotation) if a is not type(None))
     origin = typing.get_origin(annotation)
@@ -197,6 +201,8 @@ def _allowed(field: FieldInfo) -> str:
                 bounds.append(f"{sign} {getattr(item, attr)}")
         if isinstance(item, at.MinLen):
             bounds.append(f"at least {item.min_length} item(s)")
+        if isinstance(item, at.MaxLen):
+            bounds.append(f"at most {item.max_length} item(s)")
     return ", ".join(bounds)
 
 

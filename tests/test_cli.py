@@ -342,3 +342,112 @@ def test_compare_without_a_drafter_is_refused_before_generating(capsys, tiny_tar
     code, out, err = cli(capsys, "generate", "--target", str(tiny_target), *CPU, "--compare", "abc")
     assert code == 2 and out == ""
     assert "--compare needs a drafter" in err
+
+
+# -- bad input that is not a bug (issue 37) -------------------------------------------------------
+def test_invalid_utf8_on_stdin_is_a_one_line_usage_error(capsys, monkeypatch, tiny_target):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def f():\n  \xff\xfe return 1\n"), encoding="utf-8"))
+    code, out, err = cli(capsys, "generate", "--target", str(tiny_target), *CPU, "-")
+    assert code == 2 and out == ""
+    assert err.startswith("speculant: error: stdin: the prompt is not valid UTF-8 (byte 0xff at offset 11)")
+    assert err.count("\n") == 1 and "please report" not in err
+
+
+def test_invalid_utf8_in_a_prompts_file_names_the_file(tmp_path):
+    from speculant.check import _prompt_file
+    from speculant.cli_settings import UsageError
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"first prompt\nsecond \xc3\x28 prompt\n")
+    with pytest.raises(UsageError, match=rf"--prompts: {path} is not valid UTF-8 \(byte 0xc3 at offset 20\)"):
+        _prompt_file(path)
+    bad_json = tmp_path / "prompts.jsonl"
+    bad_json.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(UsageError, match=rf"--prompts: cannot parse {bad_json} as JSONL"):
+        _prompt_file(bad_json)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--temperature", "5e-324"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "inf"], "--top-p"),
+])
+def test_float_flags_are_range_checked_on_the_flag(capsys, flags, named):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--target", "/nonexistent", *flags, "hi"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert info.value.code == 2 and f"error: argument {named}: " in last and "dtype" not in last, last
+
+
+def test_the_smallest_temperature_flag_generates(capsys, tiny_target):
+    code, out, _ = cli(capsys, "generate", "--target", str(tiny_target), *CPU, "--max-new-tokens", "4",
+                       "--temperature", "1e-4", "--seed", "1", "hi")
+    assert code == 0 and out
+
+
+@pytest.fixture(scope="module")
+def no_system_target(tiny_target, tmp_path_factory):
+    """A chat template that refuses the system role, as Gemma's and Mistral's do."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("no_system") / "target"
+    shutil.copytree(tiny_target, path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}" + CHAT_TEMPLATE)
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_a_chat_template_that_refuses_the_system_role_names_system(capsys, no_system_target):
+    code, out, err = cli(capsys, "generate", "--target", str(no_system_target), *CPU, "--max-new-tokens", "3",
+                         "--chat", "--system", "be brief", "hi")
+    assert code == 2 and out == ""
+    assert "--system" in err and "System role not supported" in err and err.count("\n") == 1
+    assert "please report" not in err
+    assert cli(capsys, "generate", "--target", str(no_system_target), *CPU, "--max-new-tokens", "3", "--chat", "hi")[0] == 0
+
+
+class FailingStdout(io.StringIO):
+    """A stdout whose writes fail after ``after`` of them, as a pipe or a full disk does."""
+
+    def __init__(self, error: OSError, after: int = 0) -> None:
+        super().__init__()
+        self.error, self.after = error, after
+
+    def write(self, text: str) -> int:
+        if self.after == 0:
+            raise self.error
+        self.after -= 1
+        return super().write(text)
+
+
+def test_a_reader_that_leaves_ends_generate_quietly(capsys, monkeypatch, tiny_target):
+    monkeypatch.setattr(sys, "stdout", FailingStdout(BrokenPipeError(32, "Broken pipe"), after=1))
+    code = main(["generate", "--target", str(tiny_target), *CPU, "--max-new-tokens", "30", "def add(a, b):"])
+    assert code == 141 and capsys.readouterr().err == ""
+
+
+def test_a_full_stdout_is_one_line(capsys, monkeypatch, tiny_target):
+    import errno
+
+    monkeypatch.setattr(sys, "stdout", FailingStdout(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    code = main(["generate", "--target", str(tiny_target), *CPU, "--max-new-tokens", "30", "def add(a, b):"])
+    assert code == 1
+    assert capsys.readouterr().err == "speculant: error: cannot write to stdout: No space left on device\n"
+
+
+@pytest.mark.parametrize("redirect, code, err", [
+    (">/dev/full", 1, "speculant: error: cannot write to stdout: No space left on device\n"),
+    (">&-", 1, "speculant: error: cannot write to stdout: Bad file descriptor\n"),
+    ("| true", 141, ""),
+])
+def test_stdout_that_cannot_be_written_from_a_shell(redirect, code, err):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECULANT_LOAD_PLUGINS": ""}
+    # `| true` leaves before reading; the sleep makes sure it has gone before the first write
+    script = f"(sleep 0.5; exec {sys.executable} -m speculant plugins) {redirect}; echo rc=${{PIPESTATUS[0]}} >&2"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stderr == f"{err}rc={code}\n", done.stderr

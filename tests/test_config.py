@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,146 @@ def test_quantization_specs_parse(spec, expected):
 def test_bad_quantization_specs_raise(spec):
     with pytest.raises(ConfigError, match="drafter.quantization"):
         parse_quantization(spec)
+
+
+# -- issue 37: strict, finite, bounded ----------------------------------------------------------
+BASE = {"target": {"path": "/m"}}
+
+
+def load_section(section: str, values: dict) -> EngineConfig:
+    return EngineConfig.load({**BASE, section: values})
+
+
+@pytest.mark.parametrize("section, values, field, allowed", [
+    ("drafter", {"lookup": {"enabled": True, "max_match": 1_000_000_000}}, "drafter.lookup.max_match", "≤ 64"),
+    ("drafter", {"lookup": {"min_match": 65}}, "drafter.lookup.min_match", "≥ 1 and ≤ 64"),
+    ("drafter", {"kind": "dflash", "block_size": 100_000}, "drafter.block_size", "≤ 256"),
+    ("generation", {"max_new_tokens": 10**12}, "generation.max_new_tokens", "≥ 1 and ≤ 16777216"),
+    ("generation", {"stop_token_ids": [2**40]}, "generation.stop_token_ids.0", "≤ 2147483647"),
+    ("generation", {"stop_token_ids": list(range(2000))}, "generation.stop_token_ids", "at most 1024"),
+    ("generation", {"stop_strings": ["x" * 5000]}, "generation.stop_strings.0", "at most 1024"),
+    ("sampling", {"top_k": 2**40}, "sampling.top_k", "≤ 16777216"),
+    ("sampling", {"seed": 2**70}, "sampling.seed", "≤ 18446744073709551615"),
+    ("drafter", {"quantization": {"group_size": 10**9}}, "drafter.quantization", "≤ 4096"),
+])
+def test_sizes_have_a_maximum_named_with_the_field(section, values, field, allowed):
+    with pytest.raises(ConfigError) as err:
+        load_section(section, values)
+    line = next(line for line in str(err.value).splitlines() if field in line)
+    assert "out of range" in line or "at most" in line, line
+    assert allowed in line and "https://" not in str(err.value)
+
+
+@pytest.mark.parametrize("section, values, field", [
+    ("sampling", {"temperature": math.inf}, "sampling.temperature"),
+    ("sampling", {"temperature": math.nan}, "sampling.temperature"),
+    ("sampling", {"top_p": -math.inf}, "sampling.top_p"),
+])
+def test_non_finite_floats_are_refused(section, values, field):
+    with pytest.raises(ConfigError) as err:
+        load_section(section, values)
+    assert f"{field}: " in str(err.value) and "finite" in str(err.value) and err.value.field == field
+
+
+@pytest.mark.parametrize("section, values, field", [
+    ("sampling", {"temperature": True}, "sampling.temperature"),
+    ("generation", {"max_new_tokens": True}, "generation.max_new_tokens"),
+    ("generation", {"max_new_tokens": 2.0}, "generation.max_new_tokens"),
+    ("sampling", {"seed": False}, "sampling.seed"),
+    ("sampling", {"seed": "7"}, "sampling.seed"),
+    ("generation", {"stop_token_ids": [True, 1.0]}, "generation.stop_token_ids.0"),
+    ("generation", {"ignore_eos": "no"}, "generation.ignore_eos"),
+    ("drafter", {"block_size": "4"}, "drafter.block_size"),
+    ("drafter", {"lookup": {"enabled": 1}}, "drafter.lookup.enabled"),
+    ("backend", {"device": 0}, "backend.device"),
+])
+def test_values_are_taken_as_written(section, values, field):
+    with pytest.raises(ConfigError) as err:
+        load_section(section, values)
+    assert err.value.field == field and "expected" in str(err.value), str(err.value)
+
+
+def test_an_integer_is_a_fine_float_and_a_tuple_a_fine_list():
+    config = EngineConfig.load({**BASE, "sampling": {"temperature": 1, "top_p": 1},
+                                "generation": {"stop_token_ids": (3, 4)}})
+    assert config.sampling.temperature == 1.0 and isinstance(config.sampling.temperature, float)
+    assert config.generation.stop_token_ids == [3, 4]
+
+
+def test_strict_types_from_a_toml_file(tmp_path):
+    path = write(tmp_path, "engine.toml", TOML.replace("seed = 3", "seed = true"))
+    with pytest.raises(ConfigError, match=r"sampling\.seed: expected an integer, got boolean true"):
+        EngineConfig.load(path)
+    EngineConfig.load(write(tmp_path, "ok.toml", TOML.replace("temperature = 0.7", "temperature = 1")))
+
+
+def _user_models():
+    from speculant.core.config import _Section
+    from speculant.drafters.mtp.config import MTPOptions
+    from speculant.verifiers.adaptive.options import AdaptiveOptions
+
+    sections = [m for m in vars(__import__("speculant.core.config", fromlist=["x"])).values()
+                if isinstance(m, type) and issubclass(m, _Section) and m is not _Section]
+    return [*sections, AdaptiveOptions, MTPOptions]
+
+
+@pytest.mark.parametrize("model", _user_models(), ids=lambda m: m.__name__)
+def test_every_user_model_is_strict_and_every_size_has_a_maximum(model):
+    import annotated_types as at
+
+    from speculant.core.schema import UserModel
+
+    assert issubclass(model, UserModel) and model.model_config["strict"] and not model.model_config["allow_inf_nan"]
+    for name, field in model.model_fields.items():
+        text = str(field.annotation)
+        if "int" not in text or "bool" == text:
+            continue
+        metadata = [m for m in field.metadata]
+        if "list[" in text:
+            assert any(isinstance(m, at.MaxLen) for m in metadata), f"{model.__name__}.{name} has no length limit"
+            continue
+        assert any(isinstance(m, (at.Le, at.Lt)) for m in metadata), f"{model.__name__}.{name} has no maximum"
+
+
+def _adaptive_problem(options: dict):
+    from speculant.core.validator import _check_options
+    from speculant.verifiers.adaptive.options import AdaptiveOptions
+
+    found = []
+    _check_options("verifier", "adaptive", AdaptiveOptions, options, found.append)
+    return found
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"cost_table": [1.0, 1.1], "draft_cost": math.inf}, "draft_cost"),
+    ({"cost_table": [1.0, 1.1], "draft_cost": 1e308}, "draft_cost"),
+    ({"hysteresis": math.nan}, "hysteresis"),
+    ({"probe_interval": True}, "probe_interval"),
+    ({"max_probe_interval": 10**12}, "max_probe_interval"),
+])
+def test_adaptive_option_errors_read_like_the_configs(options, key):
+    [problem] = _adaptive_problem(options)
+    assert problem.field == "verifier.options"
+    assert f"invalid options for adaptive: {key}: " in problem.message
+    assert "https://" not in problem.message and "\n" not in problem.message and "validation error" not in problem.message
+
+
+def test_mtp_option_errors_read_like_the_configs():
+    from speculant.core.validator import _check_options
+    from speculant.drafters.mtp.config import MTPOptions
+
+    found = []
+    _check_options("drafter", "mtp", MTPOptions, {"sample_drafts": "yes", "layot": "qwen"}, found.append)
+    [problem] = found
+    assert "sample_drafts: expected true or false" in problem.message and "layot: unknown key" in problem.message
+    assert "https://" not in problem.message
+
+
+def test_the_largest_legal_adaptive_costs_do_not_overflow_the_policy():
+    from speculant.verifiers.adaptive.options import AdaptiveOptions
+    from speculant.verifiers.adaptive.policy import AdaptivePolicy
+
+    options = AdaptiveOptions(cost_table=[1e-300, 1e9], draft_cost=1e9, probe_cycles=64, probe_budget=1e-300)
+    policy = AdaptivePolicy(options)
+    assert policy.min_interval() == options.max_probe_interval
+    assert math.isfinite(policy.estimate(1, 10).plain_rate)

@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 from safetensors.numpy import save_file
 
+from speculant.core.errors import ConfigError
 from speculant.core.interfaces import Backend, DrafterFactory, Verifier
 from speculant.core.types import DrafterInfo, ProposalKind
 from speculant.core.problems import Problem
@@ -253,7 +254,7 @@ def test_target_config_without_sizes(tmp_path, registry):
     "sampling, field",
     [
         ({"temperature": -0.5}, "sampling.temperature"),
-        ({"temperature": math.nan}, "sampling.temperature"),
+        ({"temperature": 5e-324}, "sampling.temperature"),
         ({"top_p": 0.0}, "sampling.top_p"),
         ({"top_p": 1.5}, "sampling.top_p"),
         ({"top_k": -1}, "sampling.top_k"),
@@ -261,6 +262,18 @@ def test_target_config_without_sizes(tmp_path, registry):
 )
 def test_sampling_out_of_range(pair, registry, sampling, field):
     only(config_for(pair, sampling=sampling), registry, field)
+
+
+@pytest.mark.parametrize("section, values, field", [
+    ("sampling", {"temperature": math.nan}, "sampling.temperature"),
+    ("drafter", {"block_size": 0}, "drafter.block_size"),
+    ("drafter", {"block_size": -3}, "drafter.block_size"),
+])
+def test_non_finite_or_sub_one_values_are_config_errors(pair, registry, section, values, field):
+    """Non-finite floats and sizes below any bound are config errors naming the field."""
+    with pytest.raises(ConfigError) as info:
+        validate(config_for(pair, **{section: values}), registry)
+    assert info.value.field == field
 
 
 # -- drafter ----------------------------------------------------------------------------------
@@ -322,7 +335,7 @@ def test_mask_token_outside_vocab(tmp_path, registry):
     only(config_for(pair), registry, "drafter.path", f"mask_token_id {VOCAB} is outside the target vocabulary")
 
 
-@pytest.mark.parametrize("block", [1, 0, -3])
+@pytest.mark.parametrize("block", [1])
 def test_block_size_below_two(pair, registry, block):
     only(config_for(pair, drafter={"block_size": block}), registry, "drafter.block_size", "below 2")
 

@@ -35,7 +35,7 @@ TARGET_FOLDER_DRAFTERS = ("mtp",)  # read their weights from the target folder w
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TargetPoint(_Model):

@@ -144,7 +144,11 @@ def load_workload(name: str, path: Path | None, inline: list[str] | None) -> lis
 
 
 def _read_prompt_file(path: Path) -> list[str]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"prompt file {path} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); convert it first, e.g. iconv -t UTF-8") from None
     suffix = path.suffix.lower()
     try:
         if suffix == ".jsonl":

@@ -154,12 +154,22 @@ def _prompt_file(path: Path) -> list[str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"--prompts: cannot read {path}: {exc}") from None
-    if path.suffix == ".json":
-        items = json.loads(text)
-    elif path.suffix == ".jsonl":
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
-        items = [line for line in text.splitlines() if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompts: {path} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+                         f"{exc.start}); convert it first, e.g. iconv -t UTF-8") from None
+    try:
+        if path.suffix == ".json":
+            items = json.loads(text)
+        elif path.suffix == ".jsonl":
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            items = [line for line in text.splitlines() if line.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--prompts: cannot parse {path} as {path.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(items, list):
+        raise UsageError(f"--prompts: {path} must hold a list of prompts")
+    if any(isinstance(item, dict) and not isinstance(item.get("prompt"), str) for item in items):
+        raise UsageError(f"--prompts: {path}: every object needs a \"prompt\" string")
     prompts = [item["prompt"] if isinstance(item, dict) else str(item) for item in items]
     if not prompts:
         raise UsageError(f"--prompts: {path} holds no prompt")

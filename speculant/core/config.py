@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from speculant.core.errors import ConfigError
+from speculant.core.schema import CONTEXT_MAX, SEED_MAX, TOKEN_ID_MAX, LaxPath, UserModel, error_lines, sequence_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,9 +22,20 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class _Section(BaseModel):
+BLOCK_SIZE_MAX = 256  # anchor + proposals verified in one forward; trained drafters use 16 or fewer
+MATCH_MAX = 64  # prompt lookup indexes every min_match..max_match-gram of the context per token
+TOP_K_MAX = 2**24  # more than any vocabulary
+STOP_IDS_MAX = 1024
+STOP_STRINGS_MAX = 256
+STOP_STRING_CHARS = 1024  # the stream decoder holds back this much text while a stop string may start
+MIN_TEMPERATURE = 1e-4
+"""Smallest positive sampling temperature. Below it sampling is greedy in all but name (a logit
+gap of 0.01 already weighs e^100), and near 1e-38 the logits divided by it overflow float32."""
+
+
+class _Section(UserModel):
     # Each field's docstring is its description: docs/configuration.md is generated from them.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(validate_assignment=True, use_attribute_docstrings=True)
 
 
 class BackendConfig(_Section):
@@ -53,7 +65,7 @@ class BackendConfig(_Section):
 class TargetConfig(_Section):
     """The model whose output speculant reproduces."""
 
-    path: Path
+    path: LaxPath
     """Target folder (config.json + safetensors, or an mlx-lm folder); relative to the config file."""
     trust_remote_code: bool = False
     """Accepted but not used: speculant never runs a checkpoint's own Python code."""
@@ -62,11 +74,11 @@ class TargetConfig(_Section):
 class QuantizationConfig(_Section):
     """In-memory draft quantization (weight bits, activation bits, group size)."""
 
-    weight_bits: int | None = None
+    weight_bits: int | None = Field(None, ge=1, le=16)
     """Draft weight bits; unset = no quantization."""
-    activation_bits: int = 16
+    activation_bits: int = Field(16, ge=1, le=32)
     """Activation bits."""
-    group_size: int = 64
+    group_size: int = Field(64, ge=1, le=4096)
     """Weights sharing one scale."""
     quantize_all: bool = False
     """Also quantize what stays in float by default (DFlash2's selector projection and codebook
@@ -79,17 +91,10 @@ class LookupConfig(_Section):
 
     enabled: bool = False
     """Verify prompt-lookup copies beside the drafter (`drafter.lookup = true` is short for this)."""
-    min_match: int = 4
-    """Shortest suffix of the context that counts as a match (at least 1)."""
-    max_match: int = 8
-    """Longest suffix of the context looked up (at least 1)."""
-
-    @field_validator("min_match", "max_match")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be at least 1")
-        return value
+    min_match: int = Field(4, ge=1, le=MATCH_MAX)
+    """Shortest suffix of the context that counts as a match."""
+    max_match: int = Field(8, ge=1, le=MATCH_MAX)
+    """Longest suffix of the context looked up (each token indexes every length up to it)."""
 
 
 class DrafterConfig(_Section):
@@ -97,10 +102,10 @@ class DrafterConfig(_Section):
 
     kind: str | None = None
     """A registered drafter's name; unset or `none` = plain decoding."""
-    path: Path | None = None
+    path: LaxPath | None = None
     """Drafter checkpoint folder (`mtp` reads the target folder when unset); relative to the config
     file."""
-    block_size: int | None = None
+    block_size: int | None = Field(None, ge=1, le=BLOCK_SIZE_MAX)
     """Runtime block (anchor + proposals), 2 .. the drafter's maximum; unset = its trained block."""
     quantization: QuantizationConfig | str | None = None
     """In-memory draft quantization: a spec like `w4a16:gs64` (`w<bits>[a<bits>][:gs<group>][:all]`,
@@ -139,12 +144,12 @@ class SamplingConfig(_Section):
     """How the target's next token is chosen; speculation keeps this distribution exactly."""
 
     temperature: float = 0.0
-    """0 = greedy; above 0, sample from the target's logits divided by this."""
+    """0 = greedy; from 1e-4 on, sample from the target's logits divided by this."""
     top_p: float = 1.0
     """Keep the most likely tokens whose probabilities add up to this (1 = off)."""
-    top_k: int = 0
+    top_k: int = Field(0, le=TOP_K_MAX)
     """Keep only the k most likely tokens (0 = off)."""
-    seed: int | None = None
+    seed: int | None = Field(None, le=SEED_MAX)
     """Seed of the sampling and drafting random streams; unset = fresh each request. A seed repeats
     the text only with the same draft widths (`adaptive` changes them as it learns)."""
 
@@ -152,21 +157,16 @@ class SamplingConfig(_Section):
 class GenerationConfig(_Section):
     """When a request stops."""
 
-    max_new_tokens: int = 256
-    """Most tokens one request generates (at least 1)."""
-    stop_token_ids: list[int] = Field(default_factory=list)
-    """Extra token ids that end a request, besides the tokenizer's end of sequence."""
-    stop_strings: list[str] = Field(default_factory=list)
-    """Text that ends a request; the text is cut before it."""
+    max_new_tokens: int = Field(256, ge=1, le=CONTEXT_MAX)
+    """Most tokens one request generates."""
+    stop_token_ids: sequence_of(Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)], STOP_IDS_MAX) = Field(default_factory=list)
+    """Extra token ids that end a request, besides the tokenizer's end of sequence (each inside the
+    target's vocabulary)."""
+    stop_strings: sequence_of(Annotated[str, Field(max_length=STOP_STRING_CHARS)], STOP_STRINGS_MAX) = Field(
+        default_factory=list)
+    """Text that ends a request; the text is cut before it (each at most 1024 characters)."""
     ignore_eos: bool = False
     """Keep going past end-of-sequence tokens (benchmarks)."""
-
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be at least 1")
-        return v
 
 
 class EngineConfig(_Section):
@@ -244,16 +244,8 @@ def read_config_file(path: str | Path) -> dict:
     raise ConfigError(f"unknown config format {suffix!r} for {path}: use .toml, .yaml, .yml or .json")
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(root)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see docs/configuration.md)"
-        elif err["type"] == "missing":
-            msg = "required key is missing"
-        lines.append(f"{field}: {msg}")
+def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    lines = error_lines(exc, model or EngineConfig)
     return "invalid engine config:\n" + "\n".join(f"  - {line}" for line in lines)
 
 
@@ -277,12 +269,15 @@ def parse_quantization(spec: "QuantizationConfig | str | None") -> QuantizationC
             raise ValueError
         wbits, _, abits = weight[1:].partition("a")
         gs = int(rest[0][2:]) if rest else 64
-        return QuantizationConfig(weight_bits=int(wbits), activation_bits=int(abits or 16), group_size=gs,
-                                  quantize_all=quantize_all)
+        numbers = {"weight_bits": int(wbits), "activation_bits": int(abits or 16), "group_size": gs}
     except ValueError:
         raise ConfigError(
             f"drafter.quantization: cannot parse {spec!r}; expected 'w<bits>[a<bits>][:gs<group>][:all]', e.g. 'w4a16:gs64'"
         ) from None
+    try:
+        return QuantizationConfig(**numbers, quantize_all=quantize_all)
+    except ValidationError as exc:
+        raise ConfigError(f"drafter.quantization: {spec!r}: {error_lines(exc, QuantizationConfig)[0]}") from None
 
 
 QUANTIZATION_CHOICES = {"weight_bits": _QUANT_BITS, "activation_bits": _QUANT_ACT, "group_size": _QUANT_GROUPS}

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import inspect
 import operator
 import threading
+import warnings
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -15,6 +18,7 @@ from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.text import StreamDecoder
 from speculant.core.problems import Report
+from speculant.core.schema import error_lines
 from speculant.core.types import Capture, Chunk
 from speculant.core.validator import sampling_problems
 
@@ -108,6 +112,8 @@ class Engine:
         ``ignore_eos``) and ``block_size``. A text prompt is tokenized with the tokenizer's
         special tokens (BOS where the model uses one), as ``tokenizer(prompt)`` does; pass
         ``add_special_tokens=False`` for text that already has them (a rendered chat template).
+        Settings are taken as written (``temperature=True`` or ``seed="7"`` is an error, not 1.0
+        or 7); ``stop_token_ids`` must lie inside the target's vocabulary.
 
         Every setting goes through the config's checks: a bad one raises
         :class:`~speculant.core.errors.SettingError` naming the field, before anything runs. The
@@ -122,8 +128,9 @@ class Engine:
 
     def run(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
         """Generate to completion and return text, token ids and stats."""
-        generation = self.generate(prompt, **kwargs)
-        text = "".join(c.text for c in generation)
+        # closed even when Ctrl-C lands between chunks: a traceback kept by a REPL would hold it open
+        with self.generate(prompt, **kwargs) as generation:
+            text = "".join(c.text for c in generation)
         return GenerationResult(text, generation.token_ids, generation.stats)
 
     # -- internals -------------------------------------------------------------------------
@@ -162,8 +169,7 @@ class Engine:
             elif key in generation_data:
                 generation_data[key] = value
             else:
-                known = ", ".join(sorted([*sampling_data, *generation_data, "block_size", "max_new_tokens",
-                                          "add_special_tokens"]))
+                known = ", ".join(sorted({*sampling_data, *generation_data, "block_size", "add_special_tokens"}))
                 raise SettingError(f"generate() got an unexpected setting {key!r} (known: {known})", key)
         if max_new_tokens is not None:
             generation_data["max_new_tokens"] = max_new_tokens
@@ -172,14 +178,22 @@ class Engine:
         problems = sampling_problems(sampling)
         if problems:
             raise SettingError(f"{_argument(problems[0].field)}: {problems[0]}", problems[0].field)
+        vocab = self.target.info.vocab_size
+        outside = [t for t in generation.stop_token_ids if t >= vocab]
+        if outside:
+            raise SettingError(f"{_argument('generation.stop_token_ids')}: token id {outside[0]} is outside the "
+                               f"target's vocabulary (vocab size {vocab}); use ids 0..{vocab - 1}",
+                               "generation.stop_token_ids")
         return sampling, generation, self._block(block)
 
     def _block(self, value: Any) -> int:
         if value is None:
             return self.block_size
         block = _section(DrafterConfig, "drafter", {"block_size": value}).block_size
-        if not self.speculative:
-            return 1  # plain decoding; a config's block_size is likewise unused there
+        if not self.speculative:  # plain decoding: as validate warns of a config's unused block_size
+            warnings.warn(f"generate(..., block_size={value}): this engine has no drafter and no prompt lookup, "
+                          "so the block size is not used", UserWarning, stacklevel=4)
+            return 1
         limit = None if self.drafter is None else self.drafter.info.block_limit
         if block is None or not 2 <= block <= (limit or block):
             raise SettingError(f"block_size: {value} is outside 2..{limit or 'any'} (one anchor plus at least one "
@@ -202,13 +216,14 @@ class Engine:
     def _locked_stream(self, prompt_ids, sampling_cfg, generation, block, record: "_Record") -> Iterator[Chunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError(_BUSY)
-        loop = None
+        loop = cycles = None
         try:
-            loop = Loop(self, prompt_ids, sampling_cfg, generation, block)
+            loop = Loop(self, prompt_ids, sampling_cfg, generation, block, record.cancel)
             decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
             tail = ""
+            cycles = loop.cycles()
             try:
-                for new_ids in loop.cycles():
+                for new_ids in cycles:
                     text, hit = decoder.feed(new_ids)
                     if hit is not None:  # a stop string ended inside the text just produced
                         loop.stop("stop_string")
@@ -222,12 +237,20 @@ class Engine:
                 tail = decoder.flush()
             except KeyboardInterrupt:  # while decoding text: the same end as inside a cycle
                 loop.stop("interrupted")
+            except _Cancelled:  # Generation.cancel() while the stream waited at a chunk
+                loop.cancel.set()
+                loop.cancelled()  # keeps a reason already reached (a stop string's last chunk)
+                tail = decoder.flush()
         finally:
-            if loop is not None:
-                loop.finish()
-                record.stats = self.last_stats = loop.stats
-                record.token_ids = self.last_token_ids = loop.produced
-            self._busy.release()
+            try:
+                if cycles is not None:
+                    cycles.close()  # its own cleanup (the pipelined greedy path's crop) runs while the engine is held
+                if loop is not None:
+                    loop.finish()
+                    record.stats = self.last_stats = loop.stats
+                    record.token_ids = self.last_token_ids = loop.produced
+            finally:
+                self._busy.release()
         yield Chunk(tail, [], loop.stats.stop_reason, loop.stats)
 
 
@@ -237,6 +260,13 @@ class _Record:
     stats: GenerationStats | None = None
     token_ids: list[int] = []
 
+    def __init__(self) -> None:
+        self.cancel = threading.Event()  # checked by the loop before every cycle
+
+
+class _Cancelled(Exception):
+    """Thrown into a waiting stream by :meth:`Generation.cancel`."""
+
 
 class Generation(Iterator[Chunk]):
     """The chunks of one request, as :meth:`Engine.generate` returns them.
@@ -244,17 +274,53 @@ class Generation(Iterator[Chunk]):
     Iterate it for text as it is produced; the last chunk carries the finish reason and the stats.
     ``stats`` and ``token_ids`` hold this request's own record once it has ended, closed early
     (``close()``: the engine is freed and what was produced is kept) or failed.
+
+    An open generation holds the engine. Use it as a context manager (``with engine.generate(...)
+    as generation:``) so that an exception in your own loop body, Ctrl-C included, closes it;
+    ``cancel()`` ends it from any thread.
     """
 
     def __init__(self, chunks: Iterator[Chunk], record: _Record) -> None:
         self._chunks = chunks
         self._record = record
+        self._step = threading.Lock()  # one next() / close() / cancel() at a time, from any thread
+        self._final: Chunk | None = None  # the last chunk, made by a cancel() while nobody iterated
 
     def __next__(self) -> Chunk:
-        return next(self._chunks)
+        with self._step:
+            if self._final is not None:
+                chunk, self._final = self._final, None
+                return chunk
+            return next(self._chunks)
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def close(self) -> None:
-        self._chunks.close()
+        """End the request now, keeping what was produced (``stop_reason`` ``"interrupted"``); the
+        engine is free when this returns."""
+        with self._step:
+            self._chunks.close()
+
+    def cancel(self) -> list[int]:
+        """End the request from any thread, keeping what was produced; returns its token ids.
+
+        A cycle in progress finishes first (this waits for it); the engine is free when this
+        returns, and the iterator then yields a last chunk with ``stop_reason`` ``"cancelled"`` and
+        the stats. Cancelling before the first chunk ends the request before its prefill; once the
+        request has ended, it does nothing."""
+        self._record.cancel.set()
+        with self._step:
+            state = inspect.getgeneratorstate(self._chunks) if inspect.isgenerator(self._chunks) else None
+            if state == inspect.GEN_SUSPENDED and self._record.stats is None:
+                try:
+                    self._final = self._chunks.throw(_Cancelled())
+                except StopIteration:
+                    pass
+        return self.token_ids
 
     @property
     def stats(self) -> GenerationStats | None:
@@ -266,13 +332,17 @@ class Generation(Iterator[Chunk]):
 
 
 _BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "
-         "that is still open); exhaust or close() that generator first, or give each thread its own engine")
+         "that is still open); exhaust, close() or cancel() that generator first (`with engine.generate(...) as g:` "
+         "closes it for you), or give each thread its own engine")
 
 
 def _token_ids(values: Sequence[int]) -> list[int]:
     """Integer token ids; floats and bools are refused rather than converted with ``int()``."""
     if isinstance(values, (str, bytes)):
         raise SettingError("prompt_ids: must be a sequence of integer token ids, not a string", "prompt_ids")
+    if isinstance(values, (Set, Mapping)):  # no order to read the prompt in
+        raise SettingError(f"prompt_ids: must be an ordered sequence of integer token ids (a list), not a "
+                           f"{type(values).__name__}", "prompt_ids")
     try:
         items = list(values)
     except TypeError:
@@ -299,7 +369,7 @@ def _section(model, name: str, data: dict):
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join([name, *map(str, err["loc"])])
-        raise SettingError(f"{_argument(field)}: {field}: {err['msg']}", field) from None
+        raise SettingError(f"{_argument(field)}: {error_lines(exc, model, name)[0]}", field) from None
 
 
 def _argument(field: str) -> str:

@@ -7,6 +7,7 @@ in one forward, the caches roll back to what was accepted, and the drafter commi
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Iterator
 
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 class Loop:
     """One generation: prefill, then draft / verify / commit cycles."""
 
-    def __init__(self, engine: "Engine", prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int):
+    def __init__(self, engine: "Engine", prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int,
+                 cancel: threading.Event | None = None):
         self.e = engine
+        self.cancel = cancel or threading.Event()
         self.prompt_ids = prompt_ids
         self.sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k)
         seeds = np.random.SeedSequence(sampling_cfg.seed).spawn(2)
@@ -63,6 +66,12 @@ class Loop:
         # timed phases would wait for each draft, and a sampled bonus token is drawn on the host
         return wanted and e.verifier.allows_draft_ahead and self.sampling.is_greedy and not self.timed
 
+    def cancelled(self) -> bool:
+        """True once ``cancel`` is set, which ends the request unless it already has a stop reason."""
+        if self.cancel.is_set() and self._stop_reason is None:
+            self._stop_reason = "cancelled"
+        return self._stop_reason == "cancelled"
+
     def stop(self, reason: str) -> None:
         self._stop_reason = reason
 
@@ -72,6 +81,8 @@ class Loop:
     def cycles(self) -> Iterator[list[int]]:
         e = self.e
         try:
+            if self.cancelled():
+                return
             e.backend.reset_peak_memory()
             e.target.reset()
             e.verifier.begin(len(self.prompt_ids))
@@ -83,11 +94,11 @@ class Loop:
             new = self._emit(first)
             yield new
             position = len(self.prompt_ids)
-            steps = self._greedy_steps(first[-1]) if self._stop_reason is None else None
+            steps = self._greedy_steps(first[-1]) if self._stop_reason is None and not self.cancelled() else None
             if steps is not None:
                 yield from self._plain_greedy(steps, position)
                 return
-            while self._stop_reason is None:
+            while self._stop_reason is None and not self.cancelled():
                 new = self._cycle(position, new[-1] if new else self.produced[-1])
                 position += len(new)
                 yield new
@@ -113,7 +124,7 @@ class Loop:
                 self.stats.record_cycle(0, 0, len(new))
                 position += len(new)
                 yield new
-                if self._stop_reason is not None:
+                if self._stop_reason is not None or self.cancelled():
                     break
         finally:
             steps.close()

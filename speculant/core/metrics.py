@@ -42,7 +42,7 @@ class GenerationStats:
     drafts_ahead: int = 0  # next-cycle drafts made before a verification was read (draft_ahead)
     drafts_ahead_kept: int = 0  # of those, the ones whose block was accepted whole, so used
     peak_memory_bytes: int | None = None
-    stop_reason: str = "unknown"  # eos | stop_token | stop_string | max_new_tokens | context_length | interrupted | error
+    stop_reason: str = "unknown"  # eos | stop_token | stop_string | max_new_tokens | context_length | interrupted | cancelled | error
     submitted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # Time inside target forwards and drafter calls, for the overhead benchmark; measured only

@@ -10,10 +10,13 @@ import json
 import math
 from pathlib import Path
 
-from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
+from pydantic import ValidationError
+
+from speculant.core.config import MIN_TEMPERATURE, QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
 from speculant.core.errors import ConfigError
 from speculant.core.interfaces import Catalogue
 from speculant.core.problems import Problem, Report
+from speculant.core.schema import error_lines
 from speculant.core.target_check import target_tensor_problems
 from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
 
@@ -117,9 +120,13 @@ def validate(config: EngineConfig | dict | str | Path, catalogue: Catalogue) -> 
         _check_rollback(config, target, backend_cls, add)
     _check_sampling(config, add)
 
+    if target is not None:
+        _check_stop_ids(config, target, add)
     drafter_info = None
     if config.drafter.enabled:
         drafter_info = _check_drafter(config, target, catalogue, add)
+    else:
+        _check_unused_drafter_settings(config, add)
     _check_lookup(config, add)
     _check_block_floor(config, add)
     report.drafter = drafter_info
@@ -172,6 +179,10 @@ def sampling_problems(s: SamplingConfig) -> list[Problem]:
     if not (s.temperature >= 0 and math.isfinite(s.temperature)):
         problems.append(Problem("sampling.temperature", f"{s.temperature} is negative, infinite or NaN",
                                 "use 0 for greedy decoding or a finite positive value"))
+    elif 0 < s.temperature < MIN_TEMPERATURE:
+        problems.append(Problem("sampling.temperature", f"{s.temperature} is below the smallest sampling temperature "
+                                f"{MIN_TEMPERATURE:g} (the tempered logits would overflow or be greedy in all but name)",
+                                f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE:g}"))
     if not 0 < s.top_p <= 1:
         problems.append(Problem("sampling.top_p", f"{s.top_p} is outside (0, 1]",
                                 "use a value in (0, 1]; 1 disables nucleus sampling"))
@@ -216,7 +227,11 @@ def _check_options(section: str, kind: str, options_model, options: dict, add) -
         return
     try:
         options_model.model_validate(options)
-    except Exception as exc:
+    except ValidationError as exc:
+        details = "; ".join(error_lines(exc, options_model))
+        add(Problem(f"{section}.options", f"invalid options for {kind}: {details}",
+                    f"see {section}.options in docs/configuration.md or the plugin's documentation"))
+    except Exception as exc:  # a plugin's own validator may raise anything
         add(Problem(f"{section}.options", f"invalid options for {kind}: {exc}", f"see the {section}'s documentation"))
 
 
@@ -269,6 +284,27 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, catalogue, a
     elif info.trained_block_size is None:
         add(Problem("drafter.block_size", "the draft checkpoint does not say its block size", "set drafter.block_size"))
     return info
+
+
+def _check_stop_ids(config: EngineConfig, target: TargetInfo, add) -> None:
+    outside = [t for t in config.generation.stop_token_ids if t >= target.vocab_size]
+    if outside:
+        add(Problem("generation.stop_token_ids", f"token id {outside[0]} is outside the target's vocabulary "
+                    f"(vocab size {target.vocab_size})", f"use ids 0..{target.vocab_size - 1}"))
+
+
+def _check_unused_drafter_settings(config: EngineConfig, add) -> None:
+    """Drafter settings written with no drafter do nothing: say so rather than ignore them. A path
+    beside ``kind = "none"`` is a drafter switched off and kept for later, not a slip."""
+    d = config.drafter
+    written = (("path", d.path if d.kind != "none" else None), ("quantization", d.quantization), ("options", d.options))
+    unused = [name for name, value in written if value not in (None, {}, "", "off", "none")]
+    if d.block_size is not None and not d.lookup.enabled:
+        unused.append("block_size")
+    for name in unused:
+        add(Problem(f"drafter.{name}", f"is set but there is no drafter (drafter.kind is {d.kind or 'unset'})"
+                    + (" and no prompt lookup" if name == "block_size" else "") + ", so it is not used",
+                    "set drafter.kind, or remove the setting", severity="warning"))
 
 
 def _check_lookup(config: EngineConfig, add) -> None:

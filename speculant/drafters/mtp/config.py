@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from speculant.core.schema import UserModel
 
 
 Layout = Literal["qwen", "deepseek"]
@@ -57,10 +59,8 @@ GATED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qw
 MAX_BLOCK_SIZE = 16  # anchor + up to 15 recursive drafts; acceptance decays fast beyond 3
 
 
-class MTPOptions(BaseModel):
+class MTPOptions(UserModel):
     """``drafter.options`` of the mtp drafter (unknown keys are errors)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     layout: Literal["auto", "qwen", "deepseek"] = Field("auto", description="checkpoint layout; auto = detect from tensor names and config.json")
     hidden_tap: Tap | None = Field(None, description="target hidden feeding step 1; unset = family default")

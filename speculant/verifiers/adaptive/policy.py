@@ -223,7 +223,10 @@ class AdaptivePolicy:
         costs = self.costs.target_s(2, self.request.context_length)
         plain = costs[0] + self.costs.rest_s()
         extra = self.o.probe_cycles * max(0.0, self.costs.draft_s() + costs[1] - costs[0])
-        cycles = math.ceil(extra / (self.o.probe_budget * plain)) if plain > 0 else self.o.probe_interval
+        budget = self.o.probe_budget * plain  # may underflow to 0 for a tiny plain step
+        ratio = 0.0 if plain <= 0 else extra / budget if budget > 0 else math.inf
+        # compared before rounding: a huge draft cost against a tiny plain step makes the ratio inf
+        cycles = math.ceil(ratio) if ratio < self.o.max_probe_interval else self.o.max_probe_interval
         return min(max(cycles, self.o.probe_interval), self.o.max_probe_interval)
 
     def _event(self, mode: Mode, reason: str, est: Estimate | None) -> None:
