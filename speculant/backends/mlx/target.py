@@ -22,8 +22,10 @@ from speculant.backends.mlx import compiled, families, layout, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
+from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.interfaces import TargetModel
+from speculant.core.target_check import check_target_files
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 PREFILL_STEP = 512  # prompt rows per prefill chunk (bounds activation memory)
@@ -127,6 +129,7 @@ class MLXTarget(TargetModel):
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
+        check_target_files(path, info)  # damaged headers and non-float tensors, before any weights are read
         with checkpoint_errors(path):
             model = families.load(Path(path), info)
         if backend.dtype is not None:
@@ -327,4 +330,5 @@ def load_tokenizer(path: str, info: TargetInfo):
         return None
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
-    return mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)
+    with tokenizer_errors(path):
+        return mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)

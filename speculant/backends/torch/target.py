@@ -14,7 +14,9 @@ from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
+from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.interfaces import TargetModel
+from speculant.core.target_check import check_target_files
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 
@@ -136,6 +138,7 @@ class TorchTarget(TargetModel):
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
+        check_target_files(path, info)  # damaged headers and non-float tensors, before any weights are read
         model, _loading = load_strict(path, backend.dtype)  # a damaged checkpoint stops here, naming tensors
         model.to(backend._device)
         return cls(model, load_tokenizer(path), info, backend)
@@ -297,4 +300,5 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    with tokenizer_errors(path):
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
