@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 
 from speculant.core.config import QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
-from speculant.core.checkpoint import read_json_object
-from speculant.core.errors import ConfigError
+from speculant.core.checkpoint import read_json_object, tensor_inventory
+from speculant.core.errors import CheckpointError, ConfigError
 from speculant.core.interfaces import Catalogue
 from speculant.core.problems import Problem, Report
 from speculant.core.target_check import json_file_problems, target_tensor_problems
@@ -237,6 +237,7 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, catalogue, a
     _check_options("drafter", d.kind, factory.options_model, d.options, add)
     _check_quantization(config, add)
     if target is None:
+        _check_draft_files(config, add)
         return None
     try:
         info, problems = factory.describe(d, target, config.backend.kind)
@@ -274,6 +275,18 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, catalogue, a
     elif info.trained_block_size is None:
         add(Problem("drafter.block_size", "the draft checkpoint does not say its block size", "set drafter.block_size"))
     return info
+
+
+def _check_draft_files(config: EngineConfig, add) -> None:
+    """Without the target's facts a drafter cannot describe its checkpoint; the headers of the
+    draft's own files are still read, so a bad target config.json hides no bad draft file."""
+    path = config.drafter.path
+    if path is None or not Path(path).is_dir() or Path(path).resolve() == config.target.path.resolve():
+        return
+    try:
+        tensor_inventory(path)
+    except CheckpointError as exc:
+        add(Problem("drafter.path", str(exc), "re-download or re-save the draft weights"))
 
 
 def _check_lookup(config: EngineConfig, add) -> None:
