@@ -189,7 +189,7 @@ def dtype_problems(dtypes: dict[str, tuple[Path, str]], info: TargetInfo) -> lis
     return [p for p in problems if p is not None]
 
 
-TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+CHECKED_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                   "generation_config.json")
 
 
@@ -197,7 +197,7 @@ def json_file_problems(folder: str | Path) -> list[str]:
     """The tokenizer's JSON files and generation_config.json, where present, must parse (the
     tokenizer loader would fail naming none; a bad generation_config.json would drop EOS ids)."""
     problems = []
-    for name in TOKENIZER_JSON:
+    for name in CHECKED_JSON_FILES:
         file = Path(folder) / name
         if file.exists():
             try:
