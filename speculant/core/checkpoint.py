@@ -159,6 +159,8 @@ def tokenizer_errors(folder: str | Path) -> Iterator[None]:
     plain Exceptions for a tokenizer.json it cannot parse), reported naming the folder."""
     try:
         yield
+    except ImportError:
+        raise  # a missing package (sentencepiece...) is the installation's, not the folder's
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(f"target.path: the tokenizer in {folder} cannot be loaded: {type(exc).__name__}: "
