@@ -132,6 +132,13 @@ class Backend(ABC):
         return ("auto", "float32", "bfloat16", "float16")
 
     @classmethod
+    def family_problem(cls, target: TargetInfo) -> str | None:
+        """Why this backend cannot load ``target``'s family (config.json's ``model_type``: unknown,
+        or no text model), naming it and what is supported, or None. Called by the validator
+        before any weights load."""
+        return None
+
+    @classmethod
     def rollback_problem(cls, target: TargetInfo) -> str | None:
         """Why this backend cannot roll back ``target``'s caches after a rejected block (naming
         the layer type and the family), or None when every layer kind is rolled back exactly."""

@@ -7,17 +7,20 @@ building it, the headers still show a damaged checkpoint: a file shorter than it
 that is not there, a decoder layer lacking a tensor its siblings of the same kind have, one
 layer whose tensor's shape differs from all its siblings', and, in checkpoints named the Llama
 way (``...layers.N...``), a missing or mis-shaped input embedding, final norm or untied LM head.
+Every text-model tensor must be a float (F32 / F16 / BF16) unless its module is quantized, and
+the tokenizer's JSON files must parse. The strict loaders of both backends run the file-level
+checks again (:func:`check_target_files`) before they read weights.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import struct
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from speculant.core.checkpoint import dtype_problem, entry_problem, read_header, read_json_object
+from speculant.core.errors import CheckpointError, ConfigError
 from speculant.core.types import TargetInfo
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
@@ -25,52 +28,37 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _SKIPPED_PREFIX_WORDS = ("vision", "visual", "audio", "mtp")  # not the text decoder the target runs
 _QUANT_SUFFIXES = (".scales", ".biases")
+# The README's table of target families (named in messages about an unknown model_type).
+TESTED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3_text",
+                   "mistral", "gpt_oss", "muse_glimmer")
 
 
-def read_header(file: Path) -> tuple[dict, int]:
-    """The raw header ``{name: {dtype, shape, data_offsets}}`` and where the data starts."""
-    with file.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than the 8-byte header length")
-        (size,) = struct.unpack("<Q", head)
-        if size > 100_000_000:
-            raise ValueError(f"header length {size} is implausible")
-        raw = fh.read(size)
-    if len(raw) < size:
-        raise ValueError(f"the header is cut off ({len(raw)} of {size} bytes)")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
-def file_problems(file: Path) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-    """``({tensor: shape}, problems)`` of one safetensors file: readable header, every tensor's
-    byte range matching its dtype and shape, and all of the data present."""
+def file_problems(file: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[str]]:
+    """``({tensor: (dtype, shape)}, problems)`` of one safetensors file: readable header, every
+    tensor's byte range matching its dtype and shape, and all of the data present."""
     try:
         header, start = read_header(file)
-    except (OSError, ValueError) as exc:
-        return {}, [f"{file.name} is not a readable safetensors file: {exc}"]
-    problems, shapes, end = [], {}, 0
+    except CheckpointError as exc:
+        return {}, [str(exc).replace(str(file), file.name, 1)]
+    header.pop("__metadata__", None)
+    problems, tensors, end = [], {}, 0
     for name, meta in header.items():
-        try:
-            dtype, shape, (first, last) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"{file.name}: tensor {name} has a malformed header entry")
+        malformed = entry_problem(name, meta)
+        if malformed:
+            problems.append(f"{file.name}: {malformed}")
             continue
-        shapes[name] = shape
-        end = max(end, int(last))
+        dtype, shape, (first, last) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        tensors[name] = (dtype, shape)
+        end = max(end, last)
         width = DTYPE_BYTES.get(dtype)
-        if width is not None and int(last) - int(first) != width * math.prod(shape):
+        if width is not None and last - first != width * math.prod(shape):
             problems.append(f"{file.name}: tensor {name} ({dtype} {list(shape)}) should take "
-                            f"{width * math.prod(shape)} bytes but its header gives {int(last) - int(first)}")
+                            f"{width * math.prod(shape)} bytes but its header gives {last - first}")
     held = file.stat().st_size - start
     if held < end:
         problems.append(f"{file.name} is truncated: its header describes {end} bytes of tensor data but the file "
                         f"holds {held} (an interrupted download or copy?)")
-    return shapes, problems
+    return tensors, problems
 
 
 def index_problems(folder: Path) -> list[str]:
@@ -79,9 +67,11 @@ def index_problems(folder: Path) -> list[str]:
     if not index.is_file():
         return []
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-    except (OSError, ValueError, AttributeError) as exc:
-        return [f"{index.name} is not readable: {exc}"]
+        weight_map = read_json_object(index).get("weight_map", {})
+    except ConfigError as exc:
+        return [str(exc).replace(str(index), index.name, 1)]
+    if not (isinstance(weight_map, dict) and all(isinstance(shard, str) for shard in weight_map.values())):
+        return [f"{index.name} is not valid: its weight_map is not an object of shard file names"]
     missing = sorted({shard for shard in weight_map.values() if not (folder / shard).is_file()})
     return [f"{index.name} names shard {shard}, which is not in the folder" for shard in missing]
 
@@ -169,16 +159,84 @@ def outer_problems(shapes: dict[str, tuple[int, ...]], info: TargetInfo) -> list
     return problems
 
 
-def target_tensor_problems(folder: str | Path, info: TargetInfo) -> list[str]:
-    """Everything the headers show wrong with a target folder's safetensors (empty when none)."""
-    folder = Path(folder)
-    shapes: dict[str, tuple[int, ...]] = {}
-    problems = index_problems(folder)
-    for file in sorted(folder.glob("*.safetensors")):
+def _outside_text_model(name: str) -> bool:
+    """Vision / audio towers and MTP layers: tensors the target's text decoder never reads."""
+    return any(part.startswith(_SKIPPED_PREFIX_WORDS) for part in name.split(".")[:3])
+
+
+def _quantized_parts(names) -> set[str]:
+    """Tensors of quantized modules: a module (name less its last part) holding anything but a
+    plain ``weight`` / ``bias`` (mlx-lm's ``scales`` / ``biases``, FP8 ``weight_scale_inv``, GPTQ
+    ``qweight``, MXFP4 ``*_blocks``, bitsandbytes' ``weight.absmax``...), and a tensor that has
+    sub-entries of its own. Their packed dtypes are the quantization's business."""
+    modules: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        module, _, part = name.rpartition(".")
+        modules[module].append(part)
+    quantized = {m for m, parts in modules.items() if any(p not in ("weight", "bias") for p in parts)}
+    return {n for n in names if n.rpartition(".")[0] in quantized or n in modules}
+
+
+def dtype_problems(dtypes: dict[str, tuple[Path, str]], info: TargetInfo) -> list[str]:
+    """Every text-model tensor stored with a dtype other than F32 / F16 / BF16, naming its file.
+    In a quantized checkpoint (config.json ``quantization`` / ``quantization_config``) the tensors
+    of quantized modules are left to the quantization's loader; norms and the like stay checked."""
+    exempt = _quantized_parts(dtypes) if info.quantization else set()
+    problems = []
+    for name, (file, dtype) in sorted(dtypes.items()):
+        if name not in exempt and not _outside_text_model(name):
+            problems.append(dtype_problem(file, name, dtype))
+    return [p for p in problems if p is not None]
+
+
+CHECKED_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "generation_config.json")
+
+
+def json_file_problems(folder: str | Path) -> list[str]:
+    """The tokenizer's JSON files and generation_config.json, where present, must parse (the
+    tokenizer loader would fail naming none; a bad generation_config.json would drop EOS ids)."""
+    problems = []
+    for name in CHECKED_JSON_FILES:
+        file = Path(folder) / name
+        if file.exists():
+            try:
+                read_json_object(file)
+            except ConfigError as exc:
+                problems.append(str(exc).replace(str(file), name, 1))
+    return problems
+
+
+def header_problems(folder: str | Path) -> tuple[dict[str, tuple[Path, str, tuple[int, ...]]], list[str]]:
+    """``({tensor: (file, dtype, shape)}, problems)`` over every shard's header."""
+    tensors: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    problems = index_problems(Path(folder))
+    for file in sorted(Path(folder).glob("*.safetensors")):
         found, bad = file_problems(file)
         problems += bad
-        for name in found:
-            if name in shapes:
+        for name, (dtype, shape) in found.items():
+            if name in tensors:
                 problems.append(f"tensor {name} appears in more than one shard")
-        shapes.update(found)
+            tensors[name] = (file, dtype, shape)
+    return tensors, problems
+
+
+def target_tensor_problems(folder: str | Path, info: TargetInfo | None) -> list[str]:
+    """Everything the headers show wrong with a target folder's safetensors (empty when none);
+    without ``info`` (an unreadable config.json) only what each file shows on its own."""
+    tensors, problems = header_problems(folder)
+    if info is None:
+        return problems
+    shapes = {name: shape for name, (_, _, shape) in tensors.items()}
+    problems += dtype_problems({name: (file, dtype) for name, (file, dtype, _) in tensors.items()}, info)
     return problems + layer_problems(shapes, info) + outer_problems(shapes, info)
+
+
+def check_target_files(folder: str | Path, info: TargetInfo) -> None:
+    """What a strict target loader checks before reading weights: readable, complete headers and
+    float tensors (where the checkpoint is not quantized); a CheckpointError names them all."""
+    tensors, problems = header_problems(folder)
+    problems += dtype_problems({name: (file, dtype) for name, (file, dtype, _) in tensors.items()}, info)
+    if problems:
+        raise CheckpointError(f"target.path: checkpoint {folder} is damaged: {'; '.join(problems)} "
+                              "(download or copy the checkpoint again)", "target.path")

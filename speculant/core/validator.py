@@ -6,26 +6,24 @@ them at once. Plugins add their own checks through the ``check_pairing`` hook.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from speculant.core.checkpoint import read_json_object, tensor_inventory
 from speculant.core.config import MIN_TEMPERATURE, QUANTIZATION_CHOICES, EngineConfig, SamplingConfig, parse_quantization
-from speculant.core.errors import ConfigError
+from speculant.core.errors import CheckpointError, ConfigError
 from speculant.core.interfaces import Catalogue
 from speculant.core.problems import Problem, Report
 from speculant.core.schema import error_lines
-from speculant.core.target_check import target_tensor_problems
+from speculant.core.target_check import json_file_problems, target_tensor_problems
 from speculant.core.types import DrafterInfo, ProposalKind, TargetInfo
 
 
 def read_json(path: Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+    """A JSON object file; a ConfigError naming the file otherwise."""
+    return read_json_object(path)
 
 
 def text_config(raw: dict) -> dict:
@@ -87,9 +85,10 @@ def layer_types(cfg: dict) -> tuple[str, ...]:
 
 
 def _maybe_json(path: Path) -> dict:
+    """A JSON object file, or {} when absent or unreadable (the validator reports the latter)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(path)
+    except ConfigError:
         return {}
 
 
@@ -117,6 +116,10 @@ def validate(config: EngineConfig | dict | str | Path, catalogue: Catalogue) -> 
     target = _check_target(config, add)
     report.target = target
     if target is not None and backend_cls is not None:
+        family = backend_cls.family_problem(target) if not backend_cls.availability_problem() else None
+        if family:
+            add(Problem("target.path", family, "check model_type in the target's config.json, or use a backend "
+                        "(or library release) that has this family"))
         _check_rollback(config, target, backend_cls, add)
     _check_sampling(config, add)
 
@@ -151,7 +154,9 @@ def _check_target(config: EngineConfig, add) -> TargetInfo | None:
         info = read_target_info(path)
     except ConfigError as exc:
         add(Problem("target.path", str(exc), "fix the target's config.json"))
-        return None
+        info = None  # the files are still checked: one bad file must not hide the others
+    for message in json_file_problems(path):
+        add(Problem("target.path", f"{path}: {message}", "fix the file, or download or copy it again with the model"))
     for message in target_tensor_problems(path, info):
         add(Problem("target.path", f"{path}: {message}", "download or copy the checkpoint again"))
     return info
@@ -247,6 +252,7 @@ def _check_drafter(config: EngineConfig, target: TargetInfo | None, catalogue, a
     _check_options("drafter", d.kind, factory.options_model, d.options, add)
     _check_quantization(config, add)
     if target is None:
+        _check_draft_files(config, add)
         return None
     try:
         info, problems = factory.describe(d, target, config.backend.kind)
@@ -305,6 +311,18 @@ def _check_unused_drafter_settings(config: EngineConfig, add) -> None:
         add(Problem(f"drafter.{name}", f"is set but there is no drafter (drafter.kind is {d.kind or 'unset'})"
                     + (" and no prompt lookup" if name == "block_size" else "") + ", so it is not used",
                     "set drafter.kind, or remove the setting", severity="warning"))
+
+
+def _check_draft_files(config: EngineConfig, add) -> None:
+    """Without the target's facts a drafter cannot describe its checkpoint; the headers of the
+    draft's own files are still read, so a bad target config.json hides no bad draft file."""
+    path = config.drafter.path
+    if path is None or not Path(path).is_dir() or Path(path).resolve() == config.target.path.resolve():
+        return
+    try:
+        tensor_inventory(path)
+    except CheckpointError as exc:
+        add(Problem("drafter.path", str(exc), "re-download or re-save the draft weights"))
 
 
 def _check_lookup(config: EngineConfig, add) -> None:

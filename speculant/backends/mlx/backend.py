@@ -51,6 +51,12 @@ class MLXBackend(Backend):
         return _DTYPE_NAMES
 
     @classmethod
+    def family_problem(cls, target: TargetInfo) -> str | None:
+        from speculant.backends.mlx.families import family_problem
+
+        return family_problem(target)
+
+    @classmethod
     def rollback_problem(cls, target: TargetInfo) -> str | None:
         from speculant.backends.mlx.families import rollback_problem
 

@@ -168,17 +168,29 @@ def model_classes(config: dict):
     return Published, args_cls
 
 
-def _require_module(model_type: str) -> None:
+def family_problem(info: TargetInfo) -> str | None:
+    """Why mlx-lm has no model for the target's config.json ``model_type``, or None."""
     from mlx_lm.utils import MODEL_REMAPPING
 
-    name = MODEL_REMAPPING.get(model_type, model_type)
+    from speculant.core.target_check import TESTED_FAMILIES
+
+    model_type = info.raw.get("model_type") if isinstance(info.raw, dict) else None
+    name = MODEL_REMAPPING.get(model_type, model_type) if isinstance(model_type, str) else None
     try:
-        found = importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+        found = name is not None and importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
     except (ImportError, ValueError):
         found = False
-    if not found:
-        raise FamilyError(f"mlx-lm has no model for the {model_type!r} family (mlx_lm.models.{name}); "
-                          "use the torch backend for this target")
+    if found:
+        return None
+    return (f"{Path(info.path) / 'config.json'}: model_type {model_type!r}: mlx-lm has no model for the "
+            f"{model_type!r} family, so the mlx backend cannot load it (families speculant is tested on: {', '.join(TESTED_FAMILIES)}; "
+            "the torch backend loads any family transformers knows)")
+
+
+def _require_module(info: TargetInfo) -> None:
+    problem = family_problem(info)
+    if problem:
+        raise FamilyError(problem)
 
 
 def load(path: str | Path, info: TargetInfo, **kwargs):
@@ -186,8 +198,8 @@ def load(path: str | Path, info: TargetInfo, **kwargs):
     from mlx_lm.utils import load_config, load_model
 
     path = Path(path)
+    _require_module(info)
     raw = load_config(path)
-    _require_module(str(raw.get("model_type")))
     _check_ignored(raw)
     model, _ = load_model(path, lazy=True, model_config=config_overrides(raw), get_model_classes=model_classes,
                           **kwargs)

@@ -22,9 +22,11 @@ from speculant.backends.mlx import compiled, families, layout, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.wrapper import Wrapper
+from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.interfaces import TargetModel
 from speculant.core.pre_tokenizer import restore_pre_tokenizer
+from speculant.core.target_check import check_target_files
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 PREFILL_STEP = 512  # prompt rows per prefill chunk (bounds activation memory)
@@ -128,6 +130,7 @@ class MLXTarget(TargetModel):
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
+        check_target_files(path, info)  # damaged headers and non-float tensors, before any weights are read
         with checkpoint_errors(path):
             model = families.load(Path(path), info)
         if backend.dtype is not None:
@@ -328,6 +331,7 @@ def load_tokenizer(path: str, info: TargetInfo):
         return None
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
-    tokenizer = mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)
+    with tokenizer_errors(path):
+        tokenizer = mlx_load_tokenizer(folder, eos_token_ids=list(info.eos_token_ids) or None)
     restore_pre_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), folder)  # e.g. a Hub SmolLM2 folder's per-digit split
     return tokenizer

@@ -42,6 +42,12 @@ class TorchBackend(Backend):
         return _DTYPE_NAMES
 
     @classmethod
+    def family_problem(cls, target: TargetInfo) -> str | None:
+        from speculant.backends.torch.loading import family_problem
+
+        return family_problem(target.path)
+
+    @classmethod
     def rollback_problem(cls, target: TargetInfo) -> str | None:
         gated_deltanet = target.model_type in GATED_DELTANET_FAMILIES
         kinds = dict.fromkeys(target.layer_types or ("full_attention",))

@@ -9,31 +9,65 @@ safetensors are read and no remote code runs: no ``trust_remote_code``, no Hub k
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from speculant.core.checkpoint import read_json_object
+from speculant.core.errors import ConfigError
+from speculant.core.target_check import TESTED_FAMILIES
+
 _VISION_WORDS = ("vision", "visual", "audio")
+
+
+def family_problem(path: str | Path) -> str | None:
+    """Why transformers cannot load ``path`` as a text model (config.json's ``model_type`` unknown,
+    config.json unreadable, or no causal-LM class for it), or None. Reads config.json only."""
+    try:
+        text_model_class(path)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def text_model_class(path: str | Path):
+    """``(config, Auto class)`` that load ``path``'s text model (composites: image-text-to-text);
+    a one-line ConfigError naming config.json and its model_type otherwise."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    file = Path(path) / "config.json"
+    tested = f"families speculant is tested on: {', '.join(TESTED_FAMILIES)}"
+    model_type = read_json_object(file).get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        raise ConfigError(f"{file}: model_type {model_type!r} is not a family transformers {transformers.__version__} "
+                          f"knows, so the torch backend cannot load it ({tested})", "target.path")
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # what transformers' config classes raise for bad values
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"{file}: transformers cannot read it: {type(exc).__name__}: {first}", "target.path") from None
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return config, AutoModelForCausalLM
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return config, AutoModelForImageTextToText
+    raise ConfigError(f"{file}: transformers has no causal LM for model_type {model_type!r} "
+                      f"({type(config).__name__}), so the torch backend cannot load it ({tested})", "target.path")
 
 
 def load_causal_lm(path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
     """The model (in eval mode, no gradients) and transformers' loading info (missing / unexpected keys)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from transformers import AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    config, auto_class = text_model_class(path)
     options = dict(config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False, output_loading_info=True,
                    use_kernels=False)  # transformers >= 5.25 would fetch and run kernels from the Hub by default
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        model, info = AutoModelForCausalLM.from_pretrained(path, **options)
-    elif type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        model, info = AutoModelForImageTextToText.from_pretrained(path, **options)
+    model, info = auto_class.from_pretrained(path, **options)
+    if auto_class is AutoModelForImageTextToText:
         _drop_vision(model)
-    else:
-        raise TypeError(
-            f"{path}: transformers has no causal LM for model_type {config.model_type!r} "
-            f"({type(config).__name__}); the torch backend cannot load it"
-        )
     model.eval()
     model.requires_grad_(False)
     return model, info

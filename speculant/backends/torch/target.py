@@ -14,8 +14,10 @@ from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
+from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.interfaces import TargetModel
 from speculant.core.pre_tokenizer import restore_pre_tokenizer
+from speculant.core.target_check import check_target_files
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 
@@ -137,6 +139,7 @@ class TorchTarget(TargetModel):
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "TorchTarget":
+        check_target_files(path, info)  # damaged headers and non-float tensors, before any weights are read
         model, _loading = load_strict(path, backend.dtype)  # a damaged checkpoint stops here, naming tensors
         model.to(backend._device)
         return cls(model, load_tokenizer(path), info, backend)
@@ -298,6 +301,7 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    with tokenizer_errors(path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     restore_pre_tokenizer(tokenizer, folder)  # e.g. a Hub SmolLM2 folder's per-digit split
     return tokenizer

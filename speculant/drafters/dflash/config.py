@@ -7,13 +7,12 @@ assistant (``model_type: muse_glimmer_assistant``) is read through :mod:`.muse_g
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculant.core.checkpoint import compare_inventory, tensor_inventory
-from speculant.core.errors import CheckpointError
+from speculant.core.checkpoint import compare_inventory, float_dtype_problems, read_json_object, tensor_inventory
+from speculant.core.errors import CheckpointError, ConfigError
 from speculant.core.problems import Problem
 from speculant.drafters.dflash import muse_glimmer
 
@@ -110,9 +109,9 @@ def parse_config(path: str | Path, strict: bool = False) -> tuple[DFlashConfig |
     if not file.is_file():
         return None, [Problem(where, f"{path} has no config.json", "point drafter.path at a DFlash draft folder")]
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        return None, [Problem(where, f"{file} is not valid JSON: {exc}", "fix or re-download the draft's config.json")]
+        raw = read_json_object(file)
+    except ConfigError as exc:
+        return None, [Problem(where, str(exc), "fix or re-download the draft's config.json")]
     problems: list[Problem] = []
     layout = "dflash"
     if muse_glimmer.is_assistant(raw):
@@ -247,6 +246,8 @@ def check_tensors(path: str | Path, cfg: DFlashConfig, expected: dict[str, tuple
             found = {k: v for k, v in found.items() if k != name}
     for message in compare_inventory(found, expected or expected_tensors(cfg)):
         problems.append(Problem("drafter.path", message, "use a checkpoint saved in the published DFlash layout"))
+    for message in float_dtype_problems(path):
+        problems.append(Problem("drafter.path", f"{path}: {message}", "re-download or re-save the draft weights"))
     return problems
 
 

@@ -188,15 +188,16 @@ def allocate(like: mx.array, rows: int) -> mx.array:
 
 
 def load_weights(model: DFlashModel, folder, rename: dict[str, str] | None = None) -> None:
-    """Strict load of the published safetensors: every tensor present, right shape, nothing extra.
+    """Strict load of the published safetensors: every tensor present, a float, right shape, nothing extra.
 
     ``rename`` maps on-disk names to parameter names (applied when the old name is present).
     """
     from mlx.utils import tree_flatten
 
-    from speculant.core.checkpoint import safetensors_files
+    from speculant.core.checkpoint import require_float_tensors, safetensors_files
     from speculant.core.errors import CheckpointError
 
+    require_float_tensors(folder)
     weights: dict[str, mx.array] = {}
     for file in safetensors_files(folder):
         weights.update(mx.load(str(file)))

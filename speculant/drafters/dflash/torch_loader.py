@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speculant.core.checkpoint import safetensors_files
+from speculant.core.checkpoint import require_float_tensors, safetensors_files
 from speculant.core.errors import CheckpointError
 
 
@@ -18,7 +18,8 @@ def read_state_dict(folder: str | Path) -> dict:
 
 
 def load_into(model, folder: str | Path, rename: dict[str, str] | None = None) -> None:
-    """Strict load: every model tensor present with the right shape, nothing extra."""
+    """Strict load: every model tensor present, a float, with the right shape, nothing extra."""
+    require_float_tensors(folder)
     state = read_state_dict(folder)
     for old, new in (rename or {}).items():
         if old in state:

@@ -9,11 +9,10 @@ carry it. Either spelling is accepted, a file holding both is refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from speculant.core.checkpoint import tensor_inventory
-from speculant.core.errors import CheckpointError
+from speculant.core.checkpoint import read_json_object, tensor_inventory
+from speculant.core.errors import CheckpointError, ConfigError
 from speculant.core.problems import Problem
 from speculant.drafters.dflash.config import DFlashConfig, check_tensors, expected_tensors
 
@@ -63,8 +62,8 @@ def check_dflash2_tensors(path: str | Path, cfg: DFlashConfig) -> list[Problem]:
 def check_dflash2_config(path: str | Path) -> list[Problem]:
     """Problems parse_config does not raise for DFlash2: keys it would default silently."""
     try:
-        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_json_object(Path(path) / "config.json")
+    except ConfigError:
         return []  # parse_config reports an unreadable config.json
     nested = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
     problems = [Problem(f"{WHERE} (dflash_config.{key})", f"the DFlash2 config lacks dflash_config.{key}",

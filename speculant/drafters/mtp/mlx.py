@@ -346,9 +346,10 @@ class MLXMTPNetwork:
 
 def read_mtp_tensors(cfg: MTPConfig) -> dict[str, mx.array]:
     """Only the MTP tensors (renamed to module parameters), never the rest of a target folder."""
-    from speculant.core.checkpoint import read_safetensors_header
+    from speculant.core.checkpoint import read_safetensors_header, require_float_tensors
 
     wanted = wanted_tensors(cfg)
+    require_float_tensors(cfg.weights_path, wanted)
     raw: dict[str, mx.array] = {}
     for file in safetensors_files(cfg.weights_path):
         if wanted.isdisjoint(read_safetensors_header(file)):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speculant.core.checkpoint import compare_inventory, safetensors_files, tensor_inventory
-from speculant.core.errors import CheckpointError
+from speculant.core.checkpoint import (
+    compare_inventory, float_dtype_problems, read_json_object, safetensors_files, tensor_inventory,
+)
+from speculant.core.errors import CheckpointError, ConfigError
 from speculant.core.types import TargetInfo
 from speculant.core.problems import Problem
 from speculant.core.validator import text_config
@@ -14,7 +16,7 @@ from speculant.core.validator import text_config
 from speculant.drafters.mtp.config import (
     COUNT_KEYS, FAMILY_DEFAULTS, GATED_MODEL_TYPES, QK_NORM_MODEL_TYPES, Layout, MLASpec, MoESpec, MTPConfig, MTPOptions,
 )
-from speculant.drafters.mtp.tensors import read_json_or_none, expected_tensors, mtp_names, safetensors_format
+from speculant.drafters.mtp.tensors import expected_tensors, mtp_names, safetensors_format
 
 
 def _count(cfg: dict, layout: Layout, where: str, problems: list[Problem]) -> int | None:
@@ -159,9 +161,10 @@ def parse_mtp(folder: Path, target: TargetInfo, options: MTPOptions, separate: b
     problems: list[Problem] = []
     raw = target.raw
     if separate:
-        own_raw = read_json_or_none(folder / "config.json")
-        if own_raw is None:
-            return None, [Problem(where, f"{folder} has no readable config.json",
+        try:
+            own_raw = read_json_object(folder / "config.json")
+        except ConfigError as exc:
+            return None, [Problem(where, f"{folder} has no readable config.json ({exc})",
                                   "give the MTP folder a config.json with mtp_num_hidden_layers or num_nextn_predict_layers")]
         raw = {**text_config(raw), **text_config(own_raw)}
         folder_raw = own_raw
@@ -231,6 +234,8 @@ def parse_mtp(folder: Path, target: TargetInfo, options: MTPOptions, separate: b
     expected, optional = expected_tensors(config)
     for message in compare_inventory(own, expected, optional):
         problems.append(Problem(where, message, f"use a checkpoint saved in the published {layout} MTP layout"))
+    for message in float_dtype_problems(folder, set(expected) & set(own)):
+        problems.append(Problem(where, f"{folder}: {message}", "re-download or re-save the MTP weights"))
     if note is not None:
         problems.append(note)
     return config, problems

@@ -3,10 +3,9 @@ and the parameters a loader builds from them (renamed, per-expert tensors packed
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
+from speculant.core.checkpoint import safetensors_metadata
 from speculant.drafters.mtp.config import Layout, MTPConfig
 
 
@@ -25,25 +24,9 @@ def wanted_tensors(cfg: MTPConfig) -> set[str]:
     return set(cfg.names) | {name for rows in cfg.packed.values() for row in rows for name in row}
 
 
-def read_json_or_none(file: Path) -> dict | None:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def safetensors_format(file: str | Path) -> str | None:
     """The ``format`` entry of a safetensors file's ``__metadata__`` (``pt``, ``mlx``...)."""
-    try:
-        with Path(file).open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            if size > 100_000_000:
-                return None
-            header = json.loads(fh.read(size))
-    except (OSError, ValueError, struct.error):
-        return None
-    meta = header.get("__metadata__") or {}
-    return meta.get("format")
+    return safetensors_metadata(file).get("format")
 
 
 def mtp_names(inventory: dict, layout: Layout, first_layer: int) -> dict:

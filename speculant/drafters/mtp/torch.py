@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculant.core.checkpoint import safetensors_files
+from speculant.core.checkpoint import require_float_tensors, safetensors_files
 from speculant.core.errors import CheckpointError
 from speculant.drafters.mtp.config import MTPConfig, rope_frequencies
 from speculant.drafters.mtp.tensors import assemble, wanted_tensors
@@ -340,6 +340,7 @@ def read_mtp_tensors(cfg: MTPConfig) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     wanted = wanted_tensors(cfg)
+    require_float_tensors(cfg.weights_path, wanted)
     raw: dict[str, torch.Tensor] = {}
     for file in safetensors_files(cfg.weights_path):
         with safe_open(str(file), framework="pt") as fh:
