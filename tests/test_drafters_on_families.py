@@ -164,8 +164,9 @@ def test_features_are_the_target_hidden_states_at_the_tapped_layers(families, fa
 @pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
 def test_embed_gives_the_rows_the_first_layer_reads(families, family, backend):
-    """DFlash / DFlash2 / MTP embed their tokens with ``target.embed``; for Gemma that includes
-    the sqrt(hidden_size) scale transformers' scaled embedding applies."""
+    """MTP heads embed their tokens with ``target.embed``; for Gemma that includes the
+    sqrt(hidden_size) scale transformers' scaled embedding applies. (DFlash drafts take the bare
+    rows, ``raw=True``: tests/test_dflash_embedding_reference.py.)"""
     if backend == "mlx":
         pytest.importorskip("mlx.core")
         pytest.importorskip("mlx_lm")
