@@ -125,7 +125,7 @@ def test_worked_example_excerpts_match_the_example_plugin():
 
 
 # -- links --------------------------------------------------------------------------------------
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 DOCS = PAGES[2:]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

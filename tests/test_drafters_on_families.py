@@ -47,6 +47,17 @@ def engine(backend, target, kind=None, draft=None):
     return speculant.load_engine(config(backend, target, kind, draft))
 
 
+def declare_embedding_scale(draft, target) -> None:
+    """A Gemma draft sees its block's embedding rows at Gemma's sqrt(hidden_size) scale only if its
+    config says so (DFlash drafts take the table's bare rows times ``input_embedding_scale``)."""
+    import json
+
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    config = json.loads((draft / "config.json").read_text())
+    config["dflash_config"]["input_embedding_scale"] = hidden ** 0.5
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+
+
 class Families:
     """Planted targets with a DFlash and a DFlash2 draft each, built on first use; plain greedy
     tokens per (backend, family) computed once."""
@@ -65,6 +76,9 @@ class Families:
                 # convolutions near the identity, so DFlash2 also gets drafts accepted on every family
                 "dflash2": build_tiny_dflash2(folder / "dflash2", target, seed=7, target_layer_ids=LAYER_IDS, conv_scale=0.1),
             }
+            if family.startswith("gemma"):
+                for kind in KINDS:
+                    declare_embedding_scale(self.built[family][kind], target)
         return self.built[family]
 
     def speculative(self, backend, family, kind):
@@ -164,8 +178,9 @@ def test_features_are_the_target_hidden_states_at_the_tapped_layers(families, fa
 @pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
 def test_embed_gives_the_rows_the_first_layer_reads(families, family, backend):
-    """DFlash / DFlash2 / MTP embed their tokens with ``target.embed``; for Gemma that includes
-    the sqrt(hidden_size) scale transformers' scaled embedding applies."""
+    """MTP heads embed their tokens with ``target.embed``; for Gemma that includes the
+    sqrt(hidden_size) scale transformers' scaled embedding applies. (DFlash drafts take the bare
+    rows, ``raw=True``: tests/test_dflash_embedding_reference.py.)"""
     if backend == "mlx":
         pytest.importorskip("mlx.core")
         pytest.importorskip("mlx_lm")

@@ -107,10 +107,9 @@ def transformers_greedy(path, prompt_list: list[list[int]]) -> list[list[int]]:
         ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, pad_token_id=0)
         out.append(ids[0, len(prompt):].tolist())
     embedding = model.get_input_embeddings()
-    # Muse Glimmer's module adds a weightless norm; its DFlash assistant reads the rows without it
-    embed = torch.nn.Embedding.forward.__get__(embedding) if arch.startswith("MuseGlimmer") else embedding
-    with torch.no_grad():
-        embedded = embed(torch.tensor(prompt_list[0])).float().numpy()
+    ids = torch.tensor(prompt_list[0])
+    with torch.no_grad():  # the module's rows (Gemma's scale, Muse Glimmer's norm), and the table's
+        embedded = {False: embedding(ids).float().numpy(), True: embedding.weight[ids].float().numpy()}
     return out, embedded
 
 
@@ -196,8 +195,9 @@ def test_family_greedy_equals_transformers(family, registry):
     # what a drafter sharing the target's embedding and head sees: transformers' embedding rows,
     # and the logits the target itself gives for its final hidden state
     target, prompt = engine.target, family["prompts"]["short"]
-    embedded = np.array(target.embed(engine.backend.int_array(prompt)))
-    np.testing.assert_allclose(embedded, family["embedded"], rtol=1e-5, atol=1e-6)
+    for raw in (False, True):  # MTP heads read the module's rows, DFlash drafts the table's
+        embedded = np.array(target.embed(engine.backend.int_array(prompt), raw=raw))
+        np.testing.assert_allclose(embedded, family["embedded"][raw], rtol=1e-5, atol=1e-6)
     target.reset()
     out = target.prefill(prompt, Capture(final_hidden="post_norm"))
     np.testing.assert_allclose(np.array(target.lm_head(out.final_hidden[-1:])), np.array(out.logits[-1:]),

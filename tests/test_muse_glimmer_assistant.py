@@ -141,9 +141,41 @@ def test_describe_reads_the_assistant_layout(pair):
     assert cfg.sliding_window == raw["sliding_window"] + 1  # transformers keeps |q - k| <= window
 
 
-def test_describe_says_mlx_is_not_supported(pair):
-    texts = problem_texts(config_for(pair["target"], pair["assistant"], backend="mlx"))
-    assert any("torch-only" in t and "backend.kind" in t for t in texts), texts
+# -- MLX: the same drafts and tokens as PyTorch -------------------------------------------------
+@pytest.mark.mlx
+@pytest.mark.parametrize("assistant, prompt", [("assistant", "shorter_than_windows"),
+                                               ("assistant", "longer_than_windows"),
+                                               ("last_layer", "longer_than_windows")])
+def test_mlx_drafts_and_tokens_equal_torch(pair, assistant, prompt):
+    """The assistant on MLX (bare embedding rows, renamed tensors, inclusive window, the
+    final-normed last layer) proposes what it proposes on PyTorch, cycle for cycle."""
+    pytest.importorskip("mlx_lm.models.muse_glimmer")
+    ids = PROMPTS[prompt]
+    runs = {}
+    for backend in ("torch", "mlx"):
+        engine = speculant.load_engine(config_for(pair["target"], pair[assistant], backend=backend))
+        runs[backend] = run_recording_proposals(engine, prompt_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    (torch_result, torch_drafts), (mlx_result, mlx_drafts) = runs["torch"], runs["mlx"]
+    assert mlx_result.token_ids == torch_result.token_ids
+    assert mlx_drafts == torch_drafts
+    assert mlx_result.stats.acceptance_lengths == torch_result.stats.acceptance_lengths
+    assert 1 in mlx_result.stats.acceptance_lengths and max(mlx_result.stats.acceptance_lengths) > 1
+
+
+@pytest.mark.mlx
+def test_mlx_embed_applies_the_embed_norm_and_raw_rows_skip_it(pair):
+    """``embed`` gives the rows Muse Glimmer's first layer reads (after its weightless
+    ``embed_norm``), as transformers' embedding module does; ``raw`` the table's rows."""
+    pytest.importorskip("mlx_lm.models.muse_glimmer")
+    import numpy as np
+
+    ids = PROMPTS["longer_than_windows"]
+    targets = {b: speculant.load_engine(config_for(pair["target"], backend=b)).target for b in ("torch", "mlx")}
+    rows = {(b, raw): np.array(t.backend.ops.to_list(t.embed(t.backend.int_array(ids), raw=raw)))
+            for b, t in targets.items() for raw in (False, True)}
+    for raw in (False, True):
+        np.testing.assert_allclose(rows["mlx", raw], rows["torch", raw], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(rows["torch", True], rows["torch", False])
 
 
 def test_describe_rejects_another_target_family(pair, tmp_path):

@@ -15,7 +15,6 @@ from speculant.training.loop import TrainSettings  # noqa: E402
 from training_helpers import TEXTS, lossless_acceptance  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
 def target_and_stream(tmp_path_factory):
     from transformers import AutoTokenizer
@@ -73,7 +72,7 @@ def trained_mtp(trained_target, sequences, tmp_path_factory):
     return train_and_record(trained_target, sequences, tmp_path_factory.mktemp("mtp") / "mtp", steps=200)
 
 
-def test_training_forward_equals_the_loaded_drafter_step_by_step(trained_target, sequences, trained_mtp):
+def assert_training_forward_equals_drafter(target_dir, folder, ids):
     """The whole-sequence causal training forward and the drafter's cached one-row-at-a-time
     inference over the saved folder give the same logits (no train/inference drift)."""
     from speculant.core.types import Capture
@@ -84,13 +83,12 @@ def test_training_forward_equals_the_loaded_drafter_step_by_step(trained_target,
     from speculant.training.features import capture_batch, load_frozen_target
     from speculant.training.mtp import mtp_logits
 
-    folder, _ = trained_mtp
-    target = load_frozen_target(trained_target)
-    cfg, problems = parse_mtp(folder, read_target_info(trained_target), MTPOptions(), separate=True)
+    target = load_frozen_target(target_dir)
+    cfg, problems = parse_mtp(folder, read_target_info(target_dir), MTPOptions(), separate=True)
     assert cfg is not None and not [p for p in problems if p.severity == "error"], problems
     assert cfg.norm_offset == 1.0 and cfg.hidden_tap == "post_norm"
     net = load_torch_network(cfg, target.backend, target)
-    ids = torch.from_numpy(sequences[3].astype(np.int64))
+    ids = torch.as_tensor(ids, dtype=torch.long)
     _, final = capture_batch(target, ids[None], Capture(final_hidden=cfg.hidden_tap))
     with torch.no_grad():
         trained = mtp_logits(net.model, target, final[0], ids)
@@ -99,6 +97,11 @@ def test_training_forward_equals_the_loaded_drafter_step_by_step(trained_target,
         _, post = net.run(0, final[0, p : p + 1], ids[p + 1 : p + 2], [p])
         rows.append(net.logits(post))
     torch.testing.assert_close(torch.cat(rows), trained, atol=1e-4, rtol=1e-4)
+
+
+def test_training_forward_equals_the_loaded_drafter_step_by_step(trained_target, sequences, trained_mtp):
+    folder, _ = trained_mtp
+    assert_training_forward_equals_drafter(trained_target, folder, sequences[3].astype(np.int64))
 
 
 def test_mtp_training_learns_and_is_lossless(trained_target, sequences, trained_mtp):
@@ -179,3 +182,24 @@ def test_two_process_data_parallel_mtp(trained_target, sequences, tmp_path):
     assert json.loads((tmp_path / "out" / "checkpoint" / "state.json").read_text())["step"] == 3
     speculant.load_engine({"target": {"path": str(trained_target)},
                                   "drafter": {"kind": "mtp", "path": str(tmp_path / "out")}})
+
+
+def test_mtp_trains_on_a_composite_qwen3_5_target(tmp_path):
+    """A Qwen3.5 target keeps its language model's keys under ``text_config`` (and gates its
+    attention output): the head is shaped from them, the folder declares its layer count where
+    the published composite does, and it loads as a lossless drafter that computes what training did."""
+    from speculant.testing.tiny_mtp_families import build_family_target
+    from speculant.training.dflash import generate_sequences
+    from speculant.training.features import load_frozen_target
+
+    torch.set_num_threads(1)
+    target_dir = build_family_target(tmp_path / "target", "qwen3_5", hybrid=True)
+    prompts = np.random.default_rng(0).integers(3, 200, size=(8, 8)).astype(np.int32)
+    sequences = generate_sequences(load_frozen_target(target_dir), prompts, 16)
+    folder, history = train_and_record(target_dir, sequences, tmp_path / "mtp", steps=6)
+    assert len(history) == 6 and all(np.isfinite(history))
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1 and "architectures" not in config
+    assert_training_forward_equals_drafter(target_dir, folder, sequences[0].astype(np.int64))
+    lossless_acceptance(target_dir, "mtp", folder, sequences, rows=2)

@@ -95,8 +95,11 @@ class TargetModel(ABC):
         return None
 
     @abstractmethod
-    def embed(self, token_ids: Array) -> Array:
-        """The target's input embedding rows for ``token_ids`` ([n] -> [n, H])."""
+    def embed(self, token_ids: Array, *, raw: bool = False) -> Array:
+        """The target's input embedding rows for ``token_ids`` ([n] -> [n, H]), as its first layer
+        reads them (Gemma's sqrt(hidden) scale, Muse Glimmer's weightless norm: what MTP heads take);
+        ``raw=True`` gives the table's rows alone, what DFlash drafts take (times their
+        ``input_embedding_scale``), as the reference ``dflash`` package feeds them."""
 
     @abstractmethod
     def lm_head(self, hidden: Array, *, raw: bool = False) -> Array:

@@ -4,7 +4,7 @@ The CPU fast paths that only change how weights are laid out (stored transposed 
 oneDNN on PyTorch, stored transposed on MLX) pay on some CPUs and lose on others, and on one CPU
 they can win over a weight hot in the cache yet lose over a whole model's weights in turn: on an
 Intel Xeon with AVX-512 an 8-row product ran 1.6x faster transposed over one layer per shape,
-but 0.95x over the 57 layers of a 25M-parameter target (docs/fast-path.md). So
+but 0.95x over the 57 layers of a 25M-parameter target (docs/history/fast-path-history.md). So
 ``backend.compile`` (``auto``, and ``on`` on PyTorch) times each layout against the weights as
 loaded, interleaved, over the model's own layers in order, as a forward reads them
 (:func:`working_set`), and keeps a new one only where it is faster by ``MARGIN``.

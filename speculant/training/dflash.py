@@ -113,7 +113,7 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     ids = torch.full((anchors.shape[0], B), cfg.mask_token_id, dtype=torch.long)
     ids[:, 0] = tokens[anchors]
     with torch.no_grad():
-        x = target.embed(ids.reshape(-1)).to(dtype)
+        x = target.embed(ids.reshape(-1), raw=True).to(dtype)  # table rows, as inference feeds them
     x = x * cfg.input_embedding_scale
     masks = {window: block_mask(anchors, S, B, window) for window in {layer.window for layer in model.layers}}
     for layer in model.layers:

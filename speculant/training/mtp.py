@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from speculant.core.types import Capture
-from speculant.drafters.mtp.config import FAMILY_DEFAULTS, MTPConfig, MTPOptions
-from speculant.drafters.mtp.parse import parse_mtp
+from speculant.core.validator import text_config
+from speculant.drafters.mtp.config import FAMILY_DEFAULTS, GATED_MODEL_TYPES, MTPConfig, MTPOptions
+from speculant.drafters.mtp.parse import parse_mtp, rope_settings
 from speculant.drafters.mtp.tensors import expected_tensors
 from speculant.drafters.mtp.torch import LayerCache, MTPModel
 from speculant.training.features import capture_batch, load_frozen_target
@@ -42,17 +43,22 @@ class MTPShape:
 
 def mtp_folder_config(target_dir: Path, shape: MTPShape) -> dict:
     """The separate folder's config.json: the target's config (the MTP block has the target's
-    shapes) without its architecture, plus the layer count the Qwen layout declares."""
+    shapes) without its architecture, plus the layer count the Qwen layout declares (under
+    ``text_config`` for a composite target such as Qwen3.5, where its published config has it)."""
     tcfg = json.loads((target_dir / "config.json").read_text())
     config = {k: v for k, v in tcfg.items() if k not in EXCLUDED_CONFIG_KEYS}
-    config["mtp_num_hidden_layers"] = shape.num_layers
+    text = config.get("text_config")
+    (text if isinstance(text, dict) else config)["mtp_num_hidden_layers"] = shape.num_layers
     return config
 
 
-def new_mtp_config(config: dict, out_dir: Path, shape: MTPShape) -> MTPConfig:
-    """The MTPConfig the loader will derive from ``config`` (raw HF norms, default taps)."""
+def new_mtp_config(folder_config: dict, out_dir: Path, shape: MTPShape) -> MTPConfig:
+    """The MTPConfig the loader will derive from ``folder_config`` (raw HF norms, default taps),
+    read as the loader reads it: a composite's language-model keys from ``text_config``."""
+    config = text_config(folder_config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope_settings(config)
+    model_type = str(config.get("model_type", ""))
     defaults = FAMILY_DEFAULTS["qwen"]
     cfg = MTPConfig(
         layout="qwen",
@@ -64,10 +70,11 @@ def new_mtp_config(config: dict, out_dir: Path, shape: MTPShape) -> MTPConfig:
         intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
+        rope_theta=rope["rope_theta"],
+        partial_rotary_factor=rope["partial_rotary_factor"],
+        rope={k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")},
         attention_bias=bool(config.get("attention_bias", False)),
-        attn_output_gate=bool(config.get("attn_output_gate", False)),
+        attn_output_gate=bool(config.get("attn_output_gate", model_type in GATED_MODEL_TYPES)),
         qk_norm=True,
         norm_offset=defaults["norm_offset"],
         hidden_tap=defaults["hidden_tap"],

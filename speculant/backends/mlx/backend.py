@@ -77,7 +77,7 @@ class MLXBackend(Backend):
     @property
     def asynchronous(self) -> bool:
         # Metal runs queued work while the host builds the next graph. On the CPU, drafting
-        # ahead was measured to gain nothing (docs/fast-path.md): the forwards dwarf the host.
+        # ahead was measured to gain nothing (docs/history/fast-path-history.md): the forwards dwarf the host.
         return self._device == "gpu"
 
     def synchronize(self) -> None:

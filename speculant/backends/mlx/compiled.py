@@ -9,7 +9,7 @@ weights captured as constants.
 
 The choice (``backend.compile``): ``off`` never compiles; ``on`` compiles wherever it can;
 ``auto`` compiles only where it was measured to pay. On the CPU the whole forward pays
-(docs/fast-path.md) and the feed-forward blocks alone did not; on Metal neither has been
+(docs/history/fast-path-history.md) and the feed-forward blocks alone did not; on Metal neither has been
 measured yet, so ``auto`` stays eager there until it is.
 """
 
@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from speculant.backends.mlx.wrapper import Wrapper
 
-# Devices on which compiled feed-forward blocks were measured to pay (none yet: docs/fast-path.md).
+# Devices on which compiled feed-forward blocks were measured to pay (none yet: docs/history/fast-path-history.md).
 PAYS_ON: frozenset[str] = frozenset()
 # Devices on which the whole compiled forward (static.py) was measured to pay.
 WHOLE_PAYS_ON: frozenset[str] = frozenset({"cpu"})

@@ -261,14 +261,21 @@ def check_layers(model, info: TargetInfo) -> None:
 
 # -- what drafters sharing the target's embedding and head must see -------------------------------
 
-def embed_scale(model, inner):
-    """What the family's forward multiplies token embeddings by (None: nothing), as transformers'
-    embedding module does (Gemma 3: sqrt(hidden) rounded to bfloat16)."""
-    if type(model).__module__ == "mlx_lm.models.gemma3_text":
-        import mlx.core as mx
+def embed_transform(model, inner):
+    """What the family's forward does to the embedding table's rows before its first layer (None:
+    nothing), as transformers' embedding module does: Gemma's sqrt(hidden) (Gemma 3's rounded to
+    bfloat16), Muse Glimmer's weightless RMSNorm."""
+    import mlx.core as mx
 
-        return mx.array(model.args.hidden_size ** 0.5, mx.bfloat16)
-    return getattr(inner, "embed_scale", None)
+    module = type(model).__module__
+    if module == "mlx_lm.models.gemma3_text":
+        scale = mx.array(model.args.hidden_size ** 0.5, mx.bfloat16)
+    elif module == "mlx_lm.models.muse_glimmer":
+        eps = inner.embed_eps
+        return lambda rows: mx.fast.rms_norm(rows, None, eps)
+    else:
+        scale = getattr(inner, "embed_scale", None)
+    return None if scale is None else (lambda rows: rows * scale)
 
 
 def logit_transform(model):

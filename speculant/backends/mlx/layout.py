@@ -3,7 +3,7 @@
 ``nn.Linear`` computes ``x @ W.T`` over a weight stored [out, in]. On MLX's CPU the product goes
 to the BLAS the wheel was built with (the Linux wheel bundles the reference BLAS), whose cost grows
 with the rows, and which is 25-30 % faster over a weight stored [in, out] (``x @ W_t``) for 1 to 16
-rows in float32, with the same results (``benchmarks/matmul_rows.py``, docs/fast-path.md). In
+rows in float32, with the same results (``benchmarks/matmul_rows.py``, docs/history/fast-path-history.md). In
 bfloat16 or float16 it gained nothing, so only float32 layers are transposed, and since another
 BLAS (Accelerate on a Mac's CPU) may rank the layouts otherwise, the target's ``auto`` times both
 over its own layers at load (:func:`measured_speedup`) and keeps the faster. The target's

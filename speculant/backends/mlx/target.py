@@ -116,7 +116,7 @@ class MLXTarget(TargetModel):
         self._inner = text_model(model)
         self._recorder = install_taps(model)
         self._delta_layers = install_delta_taps(self._inner.layers)
-        self._embed_scale = families.embed_scale(model, self._inner)
+        self._embed_transform = families.embed_transform(model, self._inner)
         self._logit_transform = families.logit_transform(model)
         self._length = 0
         self._static: static.StaticForward | None = None  # the whole forward compiled (static.py)
@@ -286,11 +286,9 @@ class MLXTarget(TargetModel):
         return mx.argmax(logits, axis=-1).astype(mx.int32), mx.max(logits)
 
     # -- shared weights for drafters -------------------------------------------------------
-    def embed(self, token_ids) -> mx.array:
+    def embed(self, token_ids, *, raw: bool = False) -> mx.array:
         rows = self._inner.embed_tokens(token_ids)
-        if self._embed_scale is not None:
-            rows = rows * self._embed_scale
-        return rows
+        return rows if raw or self._embed_transform is None else self._embed_transform(rows)
 
     def lm_head(self, hidden, *, raw: bool = False) -> mx.array:
         logits = self._head(hidden)

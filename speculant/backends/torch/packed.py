@@ -30,7 +30,7 @@ BATCH_HINT = 8  # rows oneDNN lays the weight out for; any row count runs on it
 # second copy. A one-row F.linear beat oneDNN's packed product (2 cores, 2026-12-02: 3 MB 85 vs
 # 52-138 us depending on the OpenMP wait policy, 13 MB 279-712 vs 138-317 us; 2026-12-03: 12 MB
 # layers 0.90x packed). At 16 MB the 101M mid target keeps its 12 MB MLP weights dense as well, and
-# its compiled plain decoding went from 0.95x to 1.11x transformers' generate (docs/fast-path.md).
+# its compiled plain decoding went from 0.95x to 1.11x transformers' generate (docs/history/fast-path-history.md).
 DENSE_ONE_ROW_BYTES = 16 << 20
 CHECK_TOLERANCE = 1e-4  # largest |packed - dense| difference, relative to the product's scale
 

@@ -280,7 +280,9 @@ class TorchTarget(TargetModel):
         self.cache.rollback(max(0, self.cache_length - length))
 
     @torch.inference_mode()
-    def embed(self, token_ids) -> torch.Tensor:
+    def embed(self, token_ids, *, raw: bool = False) -> torch.Tensor:
+        if raw:  # past the module's own scale or norm (Gemma, Muse Glimmer)
+            return torch.nn.functional.embedding(token_ids, self._embedding.weight)
         return self._embedding(token_ids)
 
     def prepare_draft(self, module) -> str | None:

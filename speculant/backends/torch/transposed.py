@@ -4,7 +4,7 @@
 copies such a weight into its packed layout on every call; over the same weight stored [in, out]
 (``x @ W_t``) it does not. On an Intel Xeon with AVX-512 and one thread, a product of 8 rows
 ran 1.3-2.5x faster transposed, and one row as fast or faster, for every layer shape of the
-shipped and mid targets (docs/fast-path.md). Unlike oneDNN's packed layout (packed.py) the
+shipped and mid targets (docs/history/fast-path-history.md). Unlike oneDNN's packed layout (packed.py) the
 transposed weight is a plain tensor, so ``torch.compile``d graphs run over it too.
 
 The target's float32 ``nn.Linear`` layers (exactly that class: quantized ones stay) become

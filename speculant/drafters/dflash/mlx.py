@@ -153,7 +153,7 @@ class MLXDFlashNetwork:
 
     def hidden(self, features: mx.array, context_start: int, block_ids: mx.array, position: int) -> mx.array:
         m, cfg, cache = self.model, self.cfg, self.cache
-        x = self.target.embed(block_ids).astype(self.dtype)[None]
+        x = self.target.embed(block_ids, raw=True).astype(self.dtype)[None]  # table rows, as the reference feeds them
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         if self.compiled is not None:
@@ -217,10 +217,11 @@ def load_weights(model: DFlashModel, folder, rename: dict[str, str] | None = Non
 def load_mlx_drafter(config, info: DrafterInfo, backend, target) -> DFlashDrafter:
     """Build the draft from ``info.extra['config']``, load its weights, optionally quantize it."""
     from speculant.drafters import quantization
+    from speculant.drafters.dflash import muse_glimmer
 
     cfg = info.extra["config"]
     model = DFlashModel(cfg)
-    load_weights(model, config.path)
+    load_weights(model, config.path, rename=muse_glimmer.TENSOR_NAMES if cfg.is_muse_glimmer else None)
     dtype = backend.dtype
     q = quantization.resolve(config.quantization)
     if q is not None:

@@ -84,14 +84,10 @@ def disk_names(expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...
     return {to_disk.get(name, name): shape for name, shape in expected.items()}
 
 
-def target_problems(target, backend: str) -> list[Problem]:
-    """The assistant drafts for Muse Glimmer only, and only on PyTorch here."""
-    problems = []
-    if backend == "mlx":
-        problems.append(Problem("backend.kind", "a muse_glimmer_assistant checkpoint is torch-only: the MLX DFlash draft "
-                                "does not read this layout", "set backend.kind = 'torch'"))
+def target_problems(target) -> list[Problem]:
+    """The assistant drafts for Muse Glimmer only."""
     model_type = getattr(target, "model_type", None)
     if target is not None and model_type not in TARGET_MODEL_TYPES:
-        problems.append(Problem("drafter.path", f"a muse_glimmer_assistant drafts for a Muse Glimmer target, "
-                                f"not a {model_type} one", "use the assistant published with your target"))
-    return problems
+        return [Problem("drafter.path", f"a muse_glimmer_assistant drafts for a Muse Glimmer target, "
+                        f"not a {model_type} one", "use the assistant published with your target")]
+    return []

@@ -24,21 +24,21 @@ class DFlashFactory(DrafterFactory):
         if cfg is None:
             return None, problems
         if cfg.is_muse_glimmer:
-            return self.describe_muse_glimmer(config, cfg, target, backend)
+            return self.describe_muse_glimmer(config, cfg, target)
         if cfg.architecture != self.architecture:
             other = "dflash2" if cfg.is_dflash2 else "dflash"
             return None, [Problem("drafter.kind", f"{config.path} is a {cfg.architecture} checkpoint",
                                   f"set drafter.kind = '{other}'")]
         return self.info(cfg), self.check_tensors(config.path, cfg)
 
-    def describe_muse_glimmer(self, config, cfg, target, backend):
-        """A Muse Glimmer assistant: its target family and backend, then its tensors."""
+    def describe_muse_glimmer(self, config, cfg, target):
+        """A Muse Glimmer assistant: its target family, then its tensors."""
         from speculant.drafters.dflash import muse_glimmer
 
         if self.architecture != "DFlashDraftModel":
             return None, [Problem("drafter.kind", f"{config.path} is a {muse_glimmer.MODEL_TYPE} checkpoint",
                                   "set drafter.kind = 'dflash'")]
-        problems = muse_glimmer.target_problems(target, backend)
+        problems = muse_glimmer.target_problems(target)
         if target is not None:
             cfg.num_target_layers = target.num_hidden_layers
         info = self.info(cfg)

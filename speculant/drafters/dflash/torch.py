@@ -183,14 +183,6 @@ class ContextRows(NamedTuple):
         return torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
 
 
-def embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
-    """The target's embedding table rows for ``ids``, without the weightless ``embed_norm`` a
-    Muse Glimmer embedding applies on lookup: transformers' DFlash generation bypasses it for
-    the block's rows, so the assistant was trained on bare rows."""
-    module = target.model.get_input_embeddings()
-    return F.embedding(ids, module.weight)
-
-
 class TorchDFlashNetwork:
     """:class:`~speculant.drafters.dflash.drafter.DFlashNetwork` over :class:`DFlashModel`,
     borrowing the target's embedding and head."""
@@ -254,7 +246,7 @@ class TorchDFlashNetwork:
         m, cfg, cache = self.model, self.cfg, self.cache
         n_ctx, q_len = features.shape[0], block_ids.shape[0]
         device, dtype = features.device, self._dtype
-        x = self._embed(block_ids).to(dtype)
+        x = self.target.embed(block_ids, raw=True).to(dtype)  # table rows, as the reference feeds them
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         if self.compiled is not None:
@@ -286,11 +278,6 @@ class TorchDFlashNetwork:
             for i in range(len(self.model.layers)):
                 first, keys, values = compiled.context_rows(i, committed)
                 self.cache.append(i, keys, values, first)
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.cfg.is_muse_glimmer:
-            return embedding_rows(self.target, ids)
-        return self.target.embed(ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         # a quantized draft may compute in another dtype than the target's head takes

@@ -59,7 +59,7 @@ def _unsupported(cfg: dict, own: dict, where: str) -> list[Problem]:
                                 f"the MTP weights are FP8 block-quantized ({scaled[0]} and {len(scaled) - 1} more weight_scale_inv "
                                 "tensors), which the mtp drafter does not dequantize",
                                 "use a BF16 copy of the checkpoint (e.g. converted with DeepSeek's fp8_cast_bf16.py)"))
-    rope = _rope(cfg)
+    rope = rope_settings(cfg)
     if rope["rope_type"] not in ("default", "yarn"):
         problems.append(Problem(f"{where} (rope_parameters.rope_type)", f"rope_type {rope['rope_type']!r} is not supported by the mtp drafter",
                                 "use a target with default or yarn RoPE"))
@@ -97,7 +97,7 @@ def _unsupported(cfg: dict, own: dict, where: str) -> list[Problem]:
     return problems
 
 
-def _rope(cfg: dict) -> dict:
+def rope_settings(cfg: dict) -> dict:
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling")
     if isinstance(scaling, dict):
@@ -202,7 +202,7 @@ def parse_mtp(folder: Path, target: TargetInfo, options: MTPOptions, separate: b
             note = Problem(where, f"MTP norms taken as pre-shifted (x̂·w, no +1): {why}",
                            "set drafter.options.norm_shifted = false if this folder holds raw Hugging Face weights",
                            severity="warning")
-    rope = _rope(cfg)
+    rope = rope_settings(cfg)
     model_type = str(cfg.get("model_type", ""))
     config = MTPConfig(
         layout=layout,
