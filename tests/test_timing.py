@@ -4,6 +4,7 @@ for real: a layout made slow on purpose must be measured slower and turned down.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -11,10 +12,27 @@ import pytest
 from speculant.core import timing
 
 
+def under_load(test):
+    """Run a timing test up to three times: another test on the other core (pytest-xdist) can stall
+    one measurement. A layout that is really measured wrong fails all three."""
+    @functools.wraps(test)
+    def run(**fixtures):
+        for attempt in range(3):
+            try:
+                return test(**fixtures)
+            except AssertionError:
+                if attempt == 2:
+                    raise
+                if "monkeypatch" in fixtures:
+                    fixtures["monkeypatch"].undo()
+    return run
+
+
 def sleeper(seconds: float):
     return lambda: time.sleep(seconds)
 
 
+@under_load
 def test_speedup_is_old_time_over_new_time():
     gains = {name: timing.speedup(sleeper(0.004), new, repeats=3)
              for name, new in (("fast", sleeper(0.001)), ("slow", sleeper(0.008)))}
@@ -28,6 +46,7 @@ def test_the_working_set_takes_layers_in_order_up_to_the_budget():
     assert timing.working_set(sizes, lambda n: n, budget=1000) == sizes
 
 
+@under_load
 def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads):
     """One thread (torch_threads): after a sleep, oneDNN's idle OpenMP workers took 2-6 ms to wake,
     which made the unslowed packed products look slow."""
@@ -55,6 +74,7 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads)
     assert all(type(m) is packed.PackedLinear for m in model)
 
 
+@under_load
 def test_packed_products_are_timed_through_the_compiled_op_for_compiled_forwards(monkeypatch, torch_threads):
     """Under ``on`` packed products run through our own op (packed.packed_product); its cost is
     part of the timing: made slow, packing is measured slower only where it counts."""
@@ -71,6 +91,7 @@ def test_packed_products_are_timed_through_the_compiled_op_for_compiled_forwards
     assert eager["packed"] > compiled["packed"] * 2, (eager, compiled)
 
 
+@under_load
 def test_transposing_made_slow_is_measured_slower_and_turned_down(monkeypatch):
     pytest.importorskip("mlx.core")
     import mlx.core as mx
