@@ -60,6 +60,7 @@ def test_held_out_prompts_share_no_prompt_or_subject_with_training(full_run, cha
         assert 1 <= data.answer_lengths[row] <= 12
     manifest = json.loads((full_run / "manifest.json").read_text())
     assert manifest["answers"] == 10 and manifest["seed"] == 3 and manifest["command"] == "test"
+    assert manifest["answers_cut_at_max_new_tokens"] == int((data.answer_lengths == 12).sum())
     assert "PSF" in manifest["licences"]["stdlib_docstrings"] and "Apache-2.0" in manifest["licences"]["answers"]
 
 

@@ -331,7 +331,8 @@ def write_manifest(file: Path, out: Path, fixed: dict, prompts: dict, command: l
                 "train_prompts": len(prompts["train"]), "held_out_prompts": len(prompts["held_out"]),
                 "batches_done": batches, "answers": 0 if data is None else len(data.prompt_lengths),
                 "answer_tokens": 0 if data is None else int(data.answer_lengths.sum()),
-                "answers_ending_in_eos": 0 if data is None else int(data.ended.sum())}
+                "answers_cut_at_max_new_tokens": 0 if data is None else
+                int((data.answer_lengths >= fixed["max_new_tokens"]).sum())}
     _write_atomic(file, json.dumps(manifest, indent=1).encode())
     return manifest
 
@@ -344,7 +345,6 @@ class ChatData:
     prompt_lengths: np.ndarray
     lengths: np.ndarray
     answer_lengths: np.ndarray
-    ended: np.ndarray  # the answer ends with an end token (not cut at max_new_tokens)
     pad_id: int = 0
 
 
@@ -368,7 +368,4 @@ def read_answers(data_dir: str | Path, pad_id: int = 0) -> ChatData:
         sequences[i, : len(p) + len(a)] = np.concatenate([p, a])
     prompt_lengths = np.asarray([len(p) for p, _ in rows], dtype=np.int64)
     answer_lengths = np.asarray([len(a) for _, a in rows], dtype=np.int64)
-    manifest = Path(data_dir) / MANIFEST_FILE
-    max_new = json.loads(manifest.read_text())["max_new_tokens"] if manifest.exists() else None
-    return ChatData(sequences, prompt_lengths, prompt_lengths + answer_lengths, answer_lengths,
-                    ended=answer_lengths < (max_new or 1 << 30), pad_id=pad_id)
+    return ChatData(sequences, prompt_lengths, prompt_lengths + answer_lengths, answer_lengths, pad_id=pad_id)
