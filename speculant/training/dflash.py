@@ -38,6 +38,7 @@ class DFlashShape:
     # trained on short sequences drafts badly over longer contexts than it saw; a window keeps
     # inference within them, and training honours it, so both see the same rows.
     sliding_window: int | None = None
+    mask_token_id: int | None = None  # None: the tokenizer's <|mask|> token
 
 
 def default_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -86,15 +87,43 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block: int, window: int | No
     return torch.cat([ctx_keep, own], dim=1)
 
 
-def anchor_batch(sequences: np.ndarray, step: int, rank: int, seed: int, batch: int, low: int, high: int,
+@dataclass
+class AnchorRows:
+    """Training sequences [N, S] (right padded) and, per row, the anchor range ``low..high``:
+    from the last prompt token to where a whole block still fits in the row's valid tokens."""
+    sequences: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    block: int
+
+
+def anchor_rows(sequences: np.ndarray, prompt_len: int | np.ndarray, block: int,
+                lengths: np.ndarray | None = None) -> AnchorRows:
+    """Rows of ``sequences`` whose answer holds a whole block; ``prompt_len`` and ``lengths``
+    (valid tokens) are per row or, for fixed-shape sequences, one prompt length for all."""
+    n, S = sequences.shape
+    prompt = np.broadcast_to(np.asarray(prompt_len, dtype=np.int64), (n,))
+    valid = np.full(n, S, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+    low, high = np.maximum(0, prompt - 1), valid - block
+    keep = high >= low
+    if not keep.any():
+        raise ValueError(f"no sequence has {block} tokens after its prompt: generate longer answers or lower --block-size")
+    return AnchorRows(sequences[keep], low[keep], high[keep], block)
+
+
+def anchor_batch(rows: AnchorRows, step: int, rank: int, seed: int, batch: int,
                  anchors_per_sequence: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A deterministic batch for (step, rank): sequence rows and, per row, sorted distinct
-    anchor positions in ``low..high`` (where a whole block still fits)."""
+    """A deterministic batch for (step, rank): sequence rows, cut to the longest one's blocks,
+    and, per row, sorted distinct anchor positions in its ``low..high``."""
     rng = np.random.default_rng([seed, step, rank])
-    rows = rng.integers(0, len(sequences), size=batch)
-    ids = torch.from_numpy(sequences[rows].astype(np.int64))
-    count = min(anchors_per_sequence, high - low + 1)
-    anchors = [torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))) for _ in rows]
+    picked = rng.integers(0, len(rows.sequences), size=batch)
+    anchors = []
+    for r in picked:
+        low, high = int(rows.low[r]), int(rows.high[r])
+        count = min(anchors_per_sequence, high - low + 1)
+        anchors.append(torch.from_numpy(np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))))
+    end = int(rows.high[picked].max()) + rows.block  # the last block of the longest row ends here
+    ids = torch.from_numpy(rows.sequences[picked, :end].astype(np.int64))
     return ids, anchors
 
 
@@ -141,6 +170,12 @@ def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, B: int) -> tup
     return loss, {"acc1": float(accuracy[0])}
 
 
+def sequence_summary(rows: AnchorRows) -> dict:
+    """What training.json says about the sequences trained on."""
+    return {"sequences": int(len(rows.sequences)), "sequence_length": int(rows.sequences.shape[1]),
+            "answer_tokens_anchorable": int((rows.high - rows.low + 1).sum())}
+
+
 def init_draft(cfg: DFlashConfig, seed: int):
     from speculant.drafters.dflash.torch import DFlashModel
 
@@ -173,18 +208,25 @@ def copy_draft(model, draft_dir: str | Path, target_layer_ids: list[int], own_on
             own[k].copy_(v.to(own[k].dtype))
 
 
-def mask_token_id(target_dir: Path, drafter: str = "DFlash") -> int:
-    """The id of the target tokenizer's ``<|mask|>`` token (the block's placeholder)."""
+def mask_token_id(target_dir: Path, drafter: str = "DFlash", chosen: int | None = None) -> int:
+    """The block's placeholder id: ``chosen`` (--mask-token-id) or the target tokenizer's
+    ``<|mask|>`` token."""
+    if chosen is not None:
+        vocab = text_config(json.loads((target_dir / "config.json").read_text()))["vocab_size"]
+        if not 0 <= chosen < vocab:
+            raise ValueError(f"--mask-token-id {chosen}: need an id in 0..{vocab - 1} (the target's embedding rows)")
+        return chosen
     tok = json.loads((target_dir / "tokenizer.json").read_text())
     mask = next((t["id"] for t in tok.get("added_tokens", []) if t["content"] in ("<|mask|>", "<|MASK|>")), None)
     if mask is None:
-        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; add one ({drafter} needs a mask id inside the vocab)")
+        raise ValueError(f"{target_dir} tokenizer has no <|mask|> token; pass --mask-token-id with an id the "
+                         f"target never writes (e.g. an unused special token; {drafter} needs a mask id inside the vocab)")
     return mask
 
 
 def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFlashConfig:
     tcfg = text_config(json.loads((target_dir / "config.json").read_text()))  # composite: the text part
-    mask = mask_token_id(target_dir)
+    mask = mask_token_id(target_dir, chosen=shape.mask_token_id)
     layer_ids = shape_layer_ids(shape, tcfg["num_hidden_layers"])
     out_dir.mkdir(parents=True, exist_ok=True)
     config = published_config(tcfg, mask, layer_ids, shape.num_layers, shape.block_size, shape.sliding_window,
@@ -199,16 +241,18 @@ def new_draft_config(target_dir: Path, out_dir: Path, shape: DFlashShape) -> DFl
 def train_dflash(
     target_dir: str | Path,
     sequences: np.ndarray,
-    prompt_len: int,
+    prompt_len: int | np.ndarray,
     out_dir: str | Path,
     shape: DFlashShape = DFlashShape(),
     settings: TrainSettings = TrainSettings(lr=6e-4),
     batch: int = 4,
     init_from: str | Path | None = None,
+    lengths: np.ndarray | None = None,
 ) -> Path:
     """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft.
-    ``init_from``: a trained DFlash draft folder (same target and shape) to continue from, e.g.
-    on new data; its optimiser state is not carried over."""
+    ``prompt_len`` is one length or one per row; ``lengths``: valid tokens per right-padded row
+    (default: all S). ``init_from``: a trained DFlash draft folder (same target and shape) to
+    continue from, e.g. on new data; its optimiser state is not carried over."""
     from safetensors.torch import save_file
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
@@ -218,11 +262,10 @@ def train_dflash(
     if init_from is not None:
         copy_draft(model, init_from, cfg.target_layer_ids)
     capture = Capture(tuple(cfg.target_layer_ids))
-    S, B = sequences.shape[1], cfg.block_size
-    low, high = max(0, prompt_len - 1), S - B  # anchors in the response (or its last prompt token)
+    rows = anchor_rows(sequences, prompt_len, cfg.block_size, lengths)  # anchors in the answer (or its last prompt token)
 
     def make_batch(step: int, rank: int):
-        return anchor_batch(sequences, step, rank, settings.seed, batch, low, high, shape.anchors_per_sequence)
+        return anchor_batch(rows, step, rank, settings.seed, batch, shape.anchors_per_sequence)
 
     def loss_fn(model, batch_data):
         ids, anchors = batch_data
@@ -241,8 +284,8 @@ def train_dflash(
     state = {k: v.detach().contiguous().cpu().float() for k, v in model.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
-                                                        "batch": batch, "sequences": int(len(sequences)),
-                                                        "sequence_length": int(S), "prompt_len": prompt_len,
+                                                        "batch": batch,
+                                                        **sequence_summary(rows),
                                                         "init_from": None if init_from is None else Path(init_from).name},
                                                        indent=1))
     return out_dir

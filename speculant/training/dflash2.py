@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from speculant.core.types import Capture
 from speculant.core.validator import text_config
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import anchor_batch, copy_draft, draft_forward, mask_token_id, shape_layer_ids, weighted_block_ce
+from speculant.training.dflash import (anchor_batch, anchor_rows, copy_draft, draft_forward, mask_token_id, sequence_summary,
+                                       shape_layer_ids, weighted_block_ce)
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -51,6 +52,7 @@ class DFlash2Shape:
     sliding_window: int = 2048
     selector_weight: float = 1.0
     target_layer_ids: tuple[int, ...] | None = None  # None: the published spacing for num_features
+    mask_token_id: int | None = None  # None: the tokenizer's <|mask|> token
 
 
 def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
@@ -67,7 +69,7 @@ def dflash2_config(target: dict, mask: int, shape: DFlash2Shape) -> dict:
 
 def new_dflash2_config(target_dir: Path, out_dir: Path, shape: DFlash2Shape) -> DFlashConfig:
     tcfg = text_config(json.loads((target_dir / "config.json").read_text()))  # composite: the text part
-    mask = mask_token_id(target_dir, "DFlash2")
+    mask = mask_token_id(target_dir, "DFlash2", shape.mask_token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(dflash2_config(tcfg, mask, shape), indent=2))
     cfg, problems = parse_config(out_dir)
@@ -166,14 +168,16 @@ def warm_start(model, dflash_dir: str | Path, target_layer_ids: list[int]) -> No
 def train_dflash2(
     target_dir: str | Path,
     sequences: np.ndarray,
-    prompt_len: int,
+    prompt_len: int | np.ndarray,
     out_dir: str | Path,
     shape: DFlash2Shape = DFlash2Shape(),
     settings: TrainSettings = TrainSettings(lr=6e-4),
     batch: int = 4,
     init_from: str | Path | None = None,
+    lengths: np.ndarray | None = None,
 ) -> Path:
     """Train on ``sequences`` [N, S] (prompt + target-generated response); save the draft.
+    ``prompt_len`` is one length or one per row; ``lengths``: valid tokens per right-padded row.
     ``init_from``: a trained DFlash draft folder whose weights start the backbone."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target = load_frozen_target(target_dir)
@@ -182,11 +186,10 @@ def train_dflash2(
     if init_from is not None:
         warm_start(model, init_from, cfg.target_layer_ids)
     capture = Capture(tuple(cfg.target_layer_ids))
-    S, B = sequences.shape[1], cfg.block_size
-    low, high = max(0, prompt_len - 1), S - B
+    rows = anchor_rows(sequences, prompt_len, cfg.block_size, lengths)
 
     def make_batch(step: int, rank: int):
-        return anchor_batch(sequences, step, rank, settings.seed, batch, low, high, shape.anchors_per_sequence)
+        return anchor_batch(rows, step, rank, settings.seed, batch, shape.anchors_per_sequence)
 
     def loss_fn(model, batch_data):
         ids, anchors = batch_data
@@ -203,7 +206,6 @@ def train_dflash2(
         return out_dir
     save_dflash2(model, out_dir)
     (out_dir / "training.json").write_text(json.dumps({"shape": asdict(shape), "settings": asdict(settings),
-                                                        "batch": batch, "sequences": int(len(sequences)),
-                                                        "sequence_length": int(S), "prompt_len": prompt_len,
+                                                        "batch": batch, **sequence_summary(rows),
                                                         "init_from": None if init_from is None else Path(init_from).name}, indent=1))
     return out_dir
