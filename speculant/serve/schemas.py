@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
-MIN_TEMPERATURE = 1e-6  # below it, sampling is greedy decoding that can overflow the logits
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+from speculant.core.config import MIN_TEMPERATURE  # the engine's own floor: one rule for every caller
+from speculant.core.schema import UserModel
 
 
 class ApiError(Exception):
@@ -37,13 +37,11 @@ def client_left(when: str) -> ApiError:
     return ApiError(CLIENT_LEFT, f"the client closed the connection {when}", code="client_closed")
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
+class StreamOptions(UserModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = STRICT
+class _Common(UserModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -92,8 +90,7 @@ class _Common(BaseModel):
         return out
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
+class ChatMessage(UserModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]]
     name: str | None = None
