@@ -31,6 +31,10 @@ def add_parser(sub) -> None:
     data.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                       help="the target's dtype while answering (bfloat16 is ~2x faster on CPUs with avx512_bf16)")
     data.add_argument("--max-batches", type=int, help="stop this run after this many new batches (rerun to continue)")
+    data.add_argument("--max-seconds", type=float, help="stop this run after the batch that passes this time (rerun to continue)")
+    data.add_argument("--sampled-rounds", type=int, default=0, metavar="N",
+                      help="after the greedy answers, answer every prompt N more times by sampling (more varied data)")
+    data.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled rounds")
     data.set_defaults(func=cmd_data)
 
     tgt = steps.add_parser("target", help="pretrain a small Qwen3 target on the corpus")
@@ -147,13 +151,16 @@ def _loop_flags(parser, steps: int, lr: float) -> None:
     parser.add_argument("--fp32", action="store_true", help="train in float32 instead of bf16 autocast")
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--stop-at", type=int, help="stop this run at this step (resumable), keeping the schedule")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS",
+                        help="lower --steps to what fits in this many seconds, timed on the first batches "
+                             "(training.json records the steps chosen)")
 
 
 def _settings(args):
     from speculant.training.loop import TrainSettings
 
     return TrainSettings(steps=args.steps, lr=args.lr, seed=args.seed, bf16=not args.fp32,
-                         checkpoint_every=args.checkpoint_every, stop_at=args.stop_at)
+                         checkpoint_every=args.checkpoint_every, stop_at=args.stop_at, time_budget=args.time_budget)
 
 
 def corpus_texts(held_out: bool = False, include_tests: bool = False) -> list[str]:
@@ -179,7 +186,9 @@ def cmd_data(args) -> int:
 
     manifest = generate_data(DataSettings(target=args.target, out=args.out, prompts=args.prompts, held_out=args.held_out,
                                           seed=args.seed, batch=args.batch, max_new_tokens=args.max_new_tokens,
-                                          dtype=args.dtype, max_batches=args.max_batches),
+                                          dtype=args.dtype, max_batches=args.max_batches,
+                                          max_seconds=args.max_seconds, sampled_rounds=args.sampled_rounds,
+                                          temperature=args.temperature),
                              command=["speculant", *sys.argv[1:]])
     print(f"{args.out}: {manifest['answers']} answers ({manifest['answer_tokens']:,} tokens) of "
           f"{manifest['train_prompts']} training prompts; {manifest['held_out_prompts']} held out")

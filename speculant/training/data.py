@@ -20,6 +20,7 @@ import json
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,6 +242,9 @@ class DataSettings:
     max_new_tokens: int = 256
     dtype: str = "bfloat16"
     max_batches: int | None = None  # stop this run after this many new batches (resumable)
+    max_seconds: float | None = None  # stop this run after the batch that passes this time (resumable)
+    sampled_rounds: int = 0  # after the greedy answers, answer every prompt this many more times by sampling
+    temperature: float = 0.8  # of the sampled rounds
 
 
 def generate_data(settings: DataSettings, command: list[str] | None = None) -> dict:
@@ -256,24 +260,34 @@ def generate_data(settings: DataSettings, command: list[str] | None = None) -> d
     manifest_file = out / MANIFEST_FILE
     fixed = {"target": str(target), "target_config_sha256": _sha256(target / "config.json"), "batch": settings.batch,
              "max_new_tokens": settings.max_new_tokens, "dtype": settings.dtype, "seed": settings.seed}
+    if settings.sampled_rounds:  # recorded only when used, so earlier data folders still resume
+        fixed |= {"sampled_rounds": settings.sampled_rounds, "temperature": settings.temperature}
     if manifest_file.exists():
         earlier = json.loads(manifest_file.read_text())
         changed = {k: (earlier.get(k), v) for k, v in fixed.items() if k != "target" and earlier.get(k) != v}
         if changed:
             raise SystemExit(f"{out} was made with other settings ({changed}: was, now); use the same flags or another --out")
     texts = [p["text"] for p in prompts["train"]]
-    total = (len(texts) + settings.batch - 1) // settings.batch
+    per_round = (len(texts) + settings.batch - 1) // settings.batch
+    total = per_round * (1 + settings.sampled_rounds)
     start = done_batches(out)
     end = total if settings.max_batches is None else min(total, start + settings.max_batches)
     model = None
     if start < end:
         model = AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, settings.dtype), use_kernels=False)
-        model.eval()
+        model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     eos = _eos_ids(tokenizer, model)
+    began = time.monotonic()
     for index in range(start, end):
-        rows = list(range(index * settings.batch, min(len(texts), (index + 1) * settings.batch)))
+        if settings.max_seconds is not None and time.monotonic() - began > settings.max_seconds:
+            print(f"stopped after {index - start} batches (--max-seconds {settings.max_seconds:g}); rerun to continue")
+            break
+        round_, first = divmod(index, per_round)
+        rows = list(range(first * settings.batch, min(len(texts), (first + 1) * settings.batch)))
         prompt_ids = [chat_ids(tokenizer, texts[i]) for i in rows]
-        answers = answer_batch(model, prompt_ids, settings.max_new_tokens, eos)
+        # round 0 is greedy (what greedy decoding sees); later rounds sample the target, seeded per batch
+        temperature = settings.temperature if round_ else None
+        answers = answer_batch(model, prompt_ids, settings.max_new_tokens, eos, temperature, seed=settings.seed * 100_003 + index)
         write_batch(out / ANSWERS_DIR / f"batch-{index:05d}.safetensors", rows, prompt_ids, answers)
         write_manifest(manifest_file, out, fixed, prompts, command)
         print(f"batch {index + 1}/{total}: {sum(map(len, answers))} answer tokens", flush=True)
@@ -288,17 +302,21 @@ def _eos_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def answer_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int]) -> list[list[int]]:
-    """Greedy answers of one batch (left padded); each ends at its first end token (kept)."""
+def answer_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int],
+                 temperature: float | None = None, seed: int = 0) -> list[list[int]]:
+    """Answers of one batch (left padded): greedy, or sampled at ``temperature`` (seeded);
+    each ends at its first end token (kept)."""
     import torch
 
     width = max(map(len, prompt_ids))
     pad = eos[0]
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+    torch.manual_seed(seed)
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad, eos_token_id=eos, temperature=None, top_p=None, top_k=None)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=temperature is not None, temperature=temperature,
+                             pad_token_id=pad, eos_token_id=eos, top_p=None, top_k=None)
     answers = []
     for row in out[:, width:].tolist():
         end = next((i for i, t in enumerate(row) if t in eos), None)
@@ -326,7 +344,7 @@ def write_manifest(file: Path, out: Path, fixed: dict, prompts: dict, command: l
     manifest = {**fixed, "command": " ".join(command or sys.argv),
                 "made_by": f"greedy answers (up to {fixed['max_new_tokens']} new tokens, {fixed['dtype']}, "
                            f"{fixed['batch']} at a time) of the target {Path(fixed['target']).name} to chat prompts "
-                           f"(seed {fixed['seed']}) through its chat template",
+                           f"(seed {fixed['seed']}) through its chat template" + _sampled_note(fixed),
                 "licences": LICENCES, "prompt_sources": sources,
                 "train_prompts": len(prompts["train"]), "held_out_prompts": len(prompts["held_out"]),
                 "batches_done": batches, "answers": 0 if data is None else len(data.prompt_lengths),
@@ -335,6 +353,11 @@ def write_manifest(file: Path, out: Path, fixed: dict, prompts: dict, command: l
                 int((data.answer_lengths >= fixed["max_new_tokens"]).sum())}
     _write_atomic(file, json.dumps(manifest, indent=1).encode())
     return manifest
+
+
+def _sampled_note(fixed: dict) -> str:
+    rounds = fixed.get("sampled_rounds", 0)
+    return f", then {rounds} sampled answer(s) per prompt at temperature {fixed['temperature']}" if rounds else ""
 
 
 @dataclass

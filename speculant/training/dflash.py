@@ -76,12 +76,12 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block: int, window: int | No
     """Keep-mask [n*B, S + n*B]: context strictly before the row's anchor, plus its own block.
     A sliding ``window`` keeps, as inference does, context keys less than ``window`` positions
     before the row (its block is never farther apart)."""
-    n = anchors.shape[0]
-    rows_block = torch.arange(n).repeat_interleave(block)
-    keys = torch.arange(seq_len)[None, :]
+    n, device = anchors.shape[0], anchors.device
+    rows_block = torch.arange(n, device=device).repeat_interleave(block)
+    keys = torch.arange(seq_len, device=device)[None, :]
     ctx_keep = keys < anchors[rows_block][:, None]
     if window is not None:
-        rows = (anchors[rows_block] + torch.arange(block).repeat(n))[:, None]
+        rows = (anchors[rows_block] + torch.arange(block, device=device).repeat(n))[:, None]
         ctx_keep &= rows - keys < window
     own = rows_block[:, None] == rows_block[None, :]
     return torch.cat([ctx_keep, own], dim=1)
@@ -133,13 +133,13 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     ``run_layer(layer, x, cos, sin, context, mask)`` replaces ``layer(...)`` (DFlash2 runs
     its block-local convolutions block by block)."""
     B = cfg.block_size
-    S = features.shape[0]
+    S, device = features.shape[0], features.device
     dtype = next(model.parameters()).dtype
     ctx = model.project_context(features.to(dtype))
-    ctx_cos, ctx_sin = model.rotary(torch.arange(S), dtype)
-    positions = (anchors[:, None] + torch.arange(B)[None, :]).reshape(-1)
+    ctx_cos, ctx_sin = model.rotary(torch.arange(S, device=device), dtype)
+    positions = (anchors[:, None] + torch.arange(B, device=device)[None, :]).reshape(-1)
     cos, sin = model.rotary(positions, dtype)
-    ids = torch.full((anchors.shape[0], B), cfg.mask_token_id, dtype=torch.long)
+    ids = torch.full((anchors.shape[0], B), cfg.mask_token_id, dtype=torch.long, device=device)
     ids[:, 0] = tokens[anchors]
     with torch.no_grad():
         x = target.embed(ids.reshape(-1), raw=True).to(dtype)  # table rows, as inference feeds them
@@ -152,18 +152,25 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     return model.norm(x).reshape(anchors.shape[0], B, -1)
 
 
+def on_device(batch_data, target) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A batch of :func:`anchor_batch` moved to the target's device."""
+    ids, anchors = batch_data
+    device = target.model.device
+    return ids.to(device), [a.to(device) for a in anchors]
+
+
 def block_loss(model, target, features, tokens, anchors, cfg: DFlashConfig) -> tuple[torch.Tensor, dict]:
     B = cfg.block_size
     hidden = draft_forward(model, target, features, tokens, anchors, cfg)[:, 1:]
     logits = target._head(hidden).float() * cfg.output_multiplier
-    labels = tokens[anchors[:, None] + torch.arange(1, B)[None, :]]
+    labels = tokens[anchors[:, None] + torch.arange(1, B, device=tokens.device)[None, :]]
     return weighted_block_ce(logits, labels, B)
 
 
 def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, B: int) -> tuple[torch.Tensor, dict]:
     """Cross-entropy of block rows 1..B-1 ([n, B-1, V] vs [n, B-1]), weight exp(-(k-1)/gamma)."""
     gamma = GAMMA.get(B, max(1.0, B / 2))
-    weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma).expand_as(labels)
+    weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32, device=labels.device) / gamma).expand_as(labels)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / weights.sum()
     accuracy = (logits.argmax(-1) == labels).float().mean(0)
@@ -268,7 +275,7 @@ def train_dflash(
         return anchor_batch(rows, step, rank, settings.seed, batch, shape.anchors_per_sequence)
 
     def loss_fn(model, batch_data):
-        ids, anchors = batch_data
+        ids, anchors = on_device(batch_data, target)
         features, _ = capture_batch(target, ids, capture)
         losses, accs = [], []
         for i in range(ids.shape[0]):

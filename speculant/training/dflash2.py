@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from speculant.core.types import Capture
 from speculant.core.validator import text_config
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import (anchor_batch, anchor_rows, copy_draft, draft_forward, mask_token_id, sequence_summary,
-                                       shape_layer_ids, weighted_block_ce)
+from speculant.training.dflash import (anchor_batch, anchor_rows, copy_draft, draft_forward, mask_token_id, on_device,
+                                       sequence_summary, shape_layer_ids, weighted_block_ce)
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -107,7 +107,7 @@ def blockwise(block_size: int):
         B = block_size
         n = x.shape[0] // B
         S = mask.shape[1] - n * B
-        keep = torch.cat([mask[:, :S].reshape(n, B, S), torch.ones(n, B, B, dtype=torch.bool)], dim=-1)
+        keep = torch.cat([mask[:, :S].reshape(n, B, S), torch.ones(n, B, B, dtype=torch.bool, device=mask.device)], dim=-1)
         run = torch.func.vmap(layer, in_dims=(0, 0, 0, None, 0))
         out = run(x.view(n, B, -1), cos.view(n, B, -1), sin.view(n, B, -1), context, keep)
         return out.reshape(n * B, -1)
@@ -138,7 +138,7 @@ def dflash2_loss(model, target, features, tokens, anchors, cfg: DFlashConfig, se
     B = cfg.block_size
     hidden = draft_forward(model, target, features, tokens, anchors, cfg, run_layer=blockwise(B))[:, 1:]
     logits = target._head(hidden).float() * cfg.output_multiplier
-    offsets = torch.arange(1, B)[None, :]
+    offsets = torch.arange(1, B, device=tokens.device)[None, :]
     labels = tokens[anchors[:, None] + offsets]
     loss, metrics = weighted_block_ce(logits, labels, B)
     predecessors = tokens[anchors[:, None] + offsets - 1]
@@ -192,7 +192,7 @@ def train_dflash2(
         return anchor_batch(rows, step, rank, settings.seed, batch, shape.anchors_per_sequence)
 
     def loss_fn(model, batch_data):
-        ids, anchors = batch_data
+        ids, anchors = on_device(batch_data, target)
         features, _ = capture_batch(target, ids, capture)
         losses, metrics = [], []
         for i in range(ids.shape[0]):

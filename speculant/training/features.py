@@ -11,10 +11,20 @@ from speculant.core.types import Capture
 from speculant.core.validator import read_target_info
 
 
-def load_frozen_target(path: str | Path, device: str = "cpu", dtype: str = "float32"):
+def training_device() -> str:
+    """Where drafters train: the GPU when there is one (the target and the draft both), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_frozen_target(path: str | Path, device: str | None = None, dtype: str | None = None):
     """The target as inference loads it (TorchBackend + TorchTarget), frozen; its layers stay
-    plain ``nn.Linear`` (compile off), since the draft's loss back-propagates through its head."""
+    plain ``nn.Linear`` (compile off), since the draft's loss back-propagates through its head.
+    Default: on :func:`training_device`, in bfloat16 on a GPU (the draft trains under bf16
+    autocast there anyway) and float32 on a CPU."""
     from speculant.backends.torch.backend import TorchBackend
+
+    device = device or training_device()
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
 
     backend = TorchBackend(BackendConfig(kind="torch", device=device, dtype=dtype, compile="off"))
     return backend.load_target(str(path), read_target_info(Path(path)))

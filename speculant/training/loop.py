@@ -26,6 +26,9 @@ class TrainSettings:
     checkpoint_every: int = 200
     seed: int = 0
     stop_at: int | None = None  # end this run early (checkpointed), keeping the schedule of `steps`
+    # seconds: before step 0, time a few forward+backward passes and lower `steps` to what fits
+    # (the schedule then follows the chosen `steps`, which the checkpoint keeps for a resume)
+    time_budget: float | None = None
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -65,8 +68,16 @@ def train(
     checkpoint_dir = Path(checkpoint_dir)
     start = 0
     if (checkpoint_dir / "state.json").exists():
-        start = int(load_state(checkpoint_dir, model, optimizer)["step"])
+        state = load_state(checkpoint_dir, model, optimizer)
+        start = int(state["step"])
+        settings.steps = int(state.get("steps", settings.steps))
     model, optimizer = accelerator.prepare(model, optimizer)
+    if settings.time_budget and start == 0:
+        per_step = _seconds_per_step(model, make_batch, loss_fn, accelerator, optimizer)
+        settings.steps = steps_within(settings, per_step)
+        if accelerator.is_main_process:
+            print(f"{description}: {per_step:.3f} s per step -> {settings.steps} steps in {settings.time_budget:g} s",
+                  flush=True)
     history: list[float] = []
     progress = _Progress(description, settings.steps, start, accelerator.is_main_process)
     end = min(settings.steps, settings.stop_at or settings.steps)
@@ -87,14 +98,41 @@ def train(
         if (step + 1) % settings.checkpoint_every == 0 or step + 1 == end:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                save_state(checkpoint_dir, accelerator.unwrap_model(model), optimizer, {"step": step + 1})
+                save_state(checkpoint_dir, accelerator.unwrap_model(model), optimizer,
+                           {"step": step + 1, "steps": settings.steps})
     progress.close()
     return history
 
 
+def steps_within(settings: TrainSettings, seconds_per_step: float) -> int:
+    """The steps that fit ``settings.time_budget`` (10 % kept for checkpoints and the optimiser), at most ``steps``."""
+    fit = int(0.9 * settings.time_budget / max(seconds_per_step, 1e-6))
+    return max(1, min(settings.steps, fit))
+
+
+def _seconds_per_step(model, make_batch, loss_fn, accelerator, optimizer, passes: int = 4) -> float:
+    """Median time of a forward+backward pass over the first batches; gradients are dropped, so
+    the model is unchanged (the first pass, which warms caches and kernels, is not counted)."""
+    times = []
+    for i in range(passes + 1):
+        t0 = time.perf_counter()
+        with accelerator.autocast():
+            loss, _, _ = loss_fn(model, make_batch(i, accelerator.process_index))
+        accelerator.backward(loss)
+        float(loss.detach())  # waits for the device
+        times.append(time.perf_counter() - t0)
+        optimizer.zero_grad(set_to_none=True)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
 class _Progress:
     def __init__(self, description: str, total: int, start: int, enabled: bool) -> None:
+        import sys
+
         self.enabled = enabled
+        self.description = description
+        self.total = total
+        self.log_every = 0 if sys.stderr.isatty() else max(1, total // 20)  # a log file gets 20 plain lines
         self.tokens = 0
         self.t0 = time.perf_counter()
         self.start = start
@@ -112,7 +150,11 @@ class _Progress:
             return
         rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
         extra = " ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-        self.bar.update(self.task, completed=step, info=f"loss {loss:.4f} {rate:,.0f} tok/s {extra}")
+        info = f"loss {loss:.4f} {rate:,.0f} tok/s {extra}"
+        self.bar.update(self.task, completed=step, info=info)
+        if self.log_every and (step % self.log_every == 0 or step == self.total):
+            elapsed = time.perf_counter() - self.t0
+            print(f"{self.description} {step}/{self.total} {elapsed:.0f}s {info}", flush=True)
 
     def close(self) -> None:
         if self.enabled:
