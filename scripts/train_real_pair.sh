@@ -23,7 +23,7 @@ PROFILE=${PROFILE:-cpu}
 case "$PROFILE" in
   cpu)   d_prompts=1024 d_batch=32   d_rounds=0 d_dflash=2000  d_dflash2=3000  d_batch_train=4  d_anchors=32 d_budget= d_data_s= ;;
   smoke) d_prompts=64   d_batch=16   d_rounds=1 d_dflash=20    d_dflash2=20    d_batch_train=2  d_anchors=32 d_budget= d_data_s= ;;
-  h200)  d_prompts=2048 d_batch=1024 d_rounds=3 d_dflash=50000 d_dflash2=50000 d_batch_train=16 d_anchors=64 d_budget=140 d_data_s=90 ;;
+  h200)  d_prompts=2048 d_batch=1024 d_rounds=3 d_dflash=50000 d_dflash2=50000 d_batch_train=16 d_anchors=128 d_budget=140 d_data_s=90 ;;
   *) echo "PROFILE=$PROFILE: choose cpu, smoke or h200" >&2; exit 2 ;;
 esac
 : "${TARGET:?set TARGET to the SmolLM2-135M-Instruct folder (config.json + model.safetensors + tokenizer)}"
@@ -52,10 +52,14 @@ NICE=${NICE:-nice -n 19}
 # EXPORT=DIR (optional): write DIR/dflash and DIR/dflash2 (bf16 weights + manifest) after evaluating
 
 PYTHON=${PYTHON:-python}
+DFLASH2_FP32=()
 if $PYTHON -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null \
    || grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
   PRECISION=()
   DATA_DTYPE=bfloat16
+  # on CUDA, DFlash2's per-block vmap under bf16 autocast failed in softmax backward (input and grad
+  # dtypes differ; H200, torch 2.11, 2026-12-04), so DFlash2 trains in float32 there
+  $PYTHON -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null && DFLASH2_FP32=(--fp32)
 else
   PRECISION=(--fp32)
   DATA_DTYPE=float32
@@ -78,7 +82,7 @@ fi
 if [ ! -f "$RUN/dflash2/model.safetensors" ]; then
   echo "== dflash2: $DFLASH2_STEPS steps, backbone from the DFlash draft"
   speculant train dflash2 --target "$TARGET" --data "$RUN/data" --out "$RUN/dflash2" --steps "$DFLASH2_STEPS" \
-    --init-from "$RUN/dflash" "${shape[@]}"
+    --init-from "$RUN/dflash" "${shape[@]}" "${DFLASH2_FP32[@]}"
 fi
 
 for drafter in dflash dflash2; do

@@ -290,3 +290,36 @@ def test_drafts_train_for_a_composite_hybrid_target(tmp_path, kind):
     prompt = sequences[0, :8].tolist()
     result = spec.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True)
     assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).token_ids
+
+
+def test_steps_within_a_time_budget():
+    from speculant.training.loop import steps_within
+
+    assert steps_within(TrainSettings(steps=1000, time_budget=10.0), 0.09) == 100  # 90 % of the budget
+    assert steps_within(TrainSettings(steps=50, time_budget=10.0), 0.01) == 50  # never more than asked
+    assert steps_within(TrainSettings(steps=50, time_budget=0.01), 5.0) == 1
+
+
+def test_a_time_budget_lowers_the_steps_and_a_resume_keeps_them(tmp_path):
+    import time as clock
+
+    from speculant.training.loop import train
+
+    def run(stop_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        settings = TrainSettings(steps=1000, lr=1e-2, bf16=False, checkpoint_every=5, time_budget=1.0, stop_at=stop_at)
+
+        def loss_fn(m, batch):
+            clock.sleep(0.05)  # each pass takes at least 50 ms, so at most 18 steps fit in 0.9 s
+            return ((m(batch) - 1.0) ** 2).mean(), 4, {}
+
+        history = train(model, lambda step, rank: torch.ones(2, 4) * (step % 3), loss_fn, settings, tmp_path / "ck")
+        return settings, history
+
+    first, history = run(stop_at=3)
+    assert 1 <= first.steps <= 18 and len(history) == min(3, first.steps)
+    state = json.loads((tmp_path / "ck" / "state.json").read_text())
+    assert state["steps"] == first.steps
+    resumed, history = run()  # the chosen steps come back from the checkpoint, not from a new timing
+    assert resumed.steps == first.steps and len(history) == first.steps - min(3, first.steps)

@@ -158,3 +158,28 @@ def test_mask_token_id_flag_for_a_tokenizer_without_mask(chat_target, tmp_path):
     assert mask_token_id(chat_target, chosen=3) == 3
     with pytest.raises(ValueError, match="--mask-token-id 100000"):
         mask_token_id(chat_target, chosen=100000)
+
+
+def test_sampled_rounds_add_seeded_sampled_answers_after_the_greedy_ones(full_run, chat_target, tmp_path):
+    out = tmp_path / "sampled"
+    manifest = generate_data(settings(chat_target, out, sampled_rounds=1))
+    greedy = batch_bytes(full_run)
+    both = batch_bytes(out)
+    assert len(both) == 2 * len(greedy)
+    assert both[: len(greedy)] == greedy  # round 0 is the greedy data, unchanged
+    assert manifest["answers"] == 2 * json.loads((full_run / "manifest.json").read_text())["answers"]
+    assert "1 sampled answer(s) per prompt at temperature 0.8" in manifest["made_by"]
+    data = read_answers(out)
+    half = len(data.lengths) // 2
+    assert not np.array_equal(data.sequences[:half], data.sequences[half:])  # sampling wrote other answers
+    again = tmp_path / "again"
+    generate_data(settings(chat_target, again, sampled_rounds=1))
+    assert batch_bytes(again) == both  # seeded: the same answers on a rerun
+
+
+def test_max_seconds_stops_after_a_batch_and_a_rerun_continues(full_run, chat_target, tmp_path):
+    out = tmp_path / "timed"
+    generate_data(settings(chat_target, out, max_seconds=0))
+    assert done_batches(out) == 1
+    generate_data(settings(chat_target, out))
+    assert batch_bytes(out) == batch_bytes(full_run)

@@ -279,9 +279,6 @@ def generate_data(settings: DataSettings, command: list[str] | None = None) -> d
     eos = _eos_ids(tokenizer, model)
     began = time.monotonic()
     for index in range(start, end):
-        if settings.max_seconds is not None and time.monotonic() - began > settings.max_seconds:
-            print(f"stopped after {index - start} batches (--max-seconds {settings.max_seconds:g}); rerun to continue")
-            break
         round_, first = divmod(index, per_round)
         rows = list(range(first * settings.batch, min(len(texts), (first + 1) * settings.batch)))
         prompt_ids = [chat_ids(tokenizer, texts[i]) for i in rows]
@@ -291,6 +288,9 @@ def generate_data(settings: DataSettings, command: list[str] | None = None) -> d
         write_batch(out / ANSWERS_DIR / f"batch-{index:05d}.safetensors", rows, prompt_ids, answers)
         write_manifest(manifest_file, out, fixed, prompts, command)
         print(f"batch {index + 1}/{total}: {sum(map(len, answers))} answer tokens", flush=True)
+        if settings.max_seconds is not None and time.monotonic() - began > settings.max_seconds and index + 1 < end:
+            print(f"stopped after {index + 1 - start} batches (--max-seconds {settings.max_seconds:g}); rerun to continue")
+            break
     return write_manifest(manifest_file, out, fixed, prompts, command)
 
 

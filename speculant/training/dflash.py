@@ -152,6 +152,11 @@ def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, a
     return model.norm(x).reshape(anchors.shape[0], B, -1)
 
 
+def target_dtype(settings: TrainSettings) -> str | None:
+    """float32 for a float32 run (its draft rows meet the target's head unconverted); else the device's default."""
+    return None if settings.bf16 else "float32"
+
+
 def on_device(batch_data, target) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A batch of :func:`anchor_batch` moved to the target's device."""
     ids, anchors = batch_data
@@ -174,7 +179,7 @@ def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, B: int) -> tup
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / weights.sum()
     accuracy = (logits.argmax(-1) == labels).float().mean(0)
-    return loss, {"acc1": float(accuracy[0])}
+    return loss, {"acc1": accuracy[0].detach()}  # a tensor: no device sync per sequence
 
 
 def sequence_summary(rows: AnchorRows) -> dict:
@@ -263,7 +268,7 @@ def train_dflash(
     from safetensors.torch import save_file
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
-    target = load_frozen_target(target_dir)
+    target = load_frozen_target(target_dir, dtype=target_dtype(settings))
     cfg = new_draft_config(target_dir, out_dir, shape)
     model = init_draft(cfg, settings.seed)
     if init_from is not None:
@@ -282,7 +287,7 @@ def train_dflash(
             loss, metrics = block_loss(model, target, features[i], ids[i], anchors[i], cfg)
             losses.append(loss)
             accs.append(metrics["acc1"])
-        return torch.stack(losses).mean(), ids.numel(), {"acc1": float(np.mean(accs))}
+        return torch.stack(losses).mean(), ids.numel(), {"acc1": float(torch.stack(accs).mean())}
 
     # through Objective.forward, so data-parallel runs average the gradients
     train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="dflash")

@@ -32,7 +32,7 @@ from speculant.core.types import Capture
 from speculant.core.validator import text_config
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
 from speculant.training.dflash import (anchor_batch, anchor_rows, copy_draft, draft_forward, mask_token_id, on_device,
-                                       sequence_summary, shape_layer_ids, weighted_block_ce)
+                                       sequence_summary, shape_layer_ids, target_dtype, weighted_block_ce)
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -127,11 +127,10 @@ def selector_loss(selector, hidden, logits, predecessors, labels) -> tuple[torch
     weighted = selector.predecessor_codebook[predecessors].float() * gate  # [m, r]
     scores = unary + torch.einsum("mr,mkr->mk", weighted, selector.successor_codebook[candidates].float())
     hit = candidates == labels[:, None]
-    found = hit.any(-1)
-    recall = found.float().mean()
-    if not bool(found.any()):
-        return scores.sum() * 0.0, recall
-    return F.cross_entropy(scores[found], hit[found].float().argmax(-1)), recall
+    found = hit.any(-1).float()
+    # masked rather than indexed, so no device sync: rows without the true token weigh nothing
+    ce = F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")
+    return (ce * found).sum() / found.sum().clamp(min=1.0), found.mean()
 
 
 def dflash2_loss(model, target, features, tokens, anchors, cfg: DFlashConfig, selector_weight: float):
@@ -144,7 +143,7 @@ def dflash2_loss(model, target, features, tokens, anchors, cfg: DFlashConfig, se
     predecessors = tokens[anchors[:, None] + offsets - 1]
     sel, recall = selector_loss(model.candidate_selector, hidden.reshape(-1, hidden.shape[-1]),
                                 logits.reshape(-1, logits.shape[-1]), predecessors.reshape(-1), labels.reshape(-1))
-    return loss + selector_weight * sel, {**metrics, "selector": float(sel.detach()), "candidate_recall": float(recall)}
+    return loss + selector_weight * sel, {**metrics, "selector": sel.detach(), "candidate_recall": recall.detach()}
 
 
 def save_dflash2(model, out_dir: Path) -> None:
@@ -180,7 +179,7 @@ def train_dflash2(
     ``prompt_len`` is one length or one per row; ``lengths``: valid tokens per right-padded row.
     ``init_from``: a trained DFlash draft folder whose weights start the backbone."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
-    target = load_frozen_target(target_dir)
+    target = load_frozen_target(target_dir, dtype=target_dtype(settings))
     cfg = new_dflash2_config(target_dir, out_dir, shape)
     model = init_dflash2(cfg, settings.seed)
     if init_from is not None:
@@ -199,7 +198,8 @@ def train_dflash2(
             loss, m = dflash2_loss(model, target, features[i], ids[i], anchors[i], cfg, shape.selector_weight)
             losses.append(loss)
             metrics.append(m)
-        return torch.stack(losses).mean(), ids.numel(), {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        return torch.stack(losses).mean(), ids.numel(), {k: float(torch.stack([m[k] for m in metrics]).mean())
+                                                         for k in metrics[0]}
 
     train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="dflash2")
     if not is_main_process():
