@@ -78,3 +78,27 @@ def test_first_sampled_tokens_follow_the_target_at_temperature_0_8(pair, torch_t
                             sampling=SamplingParams(temperature=0.8), tokens=2)
     assert result.per_position.get(1), "no second-token group was large enough to test the verifier"
     assert result.ok, result
+
+
+def test_serve_answers_chat_through_the_openai_client_as_plain_decoding_does(pair, torch_threads):
+    """`speculant serve` on the real pair (speculative: DFlash2 + lookup) answers the official
+    openai client's chat.completions, whole and streamed, with the target's plain greedy text."""
+    openai = pytest.importorskip("openai")
+    from speculant.serve import create_app
+    from speculant.serve.background import serving
+
+    target, drafters = pair
+    plain = load("torch", target)
+    expected = plain.run(prompt_ids=chat(plain, PROMPTS[2]), max_new_tokens=48, temperature=0)
+    assert len(expected.text.split()) > 5  # a real answer, not an empty or one-token reply
+    engine = load("torch", target, "dflash2", drafters["dflash2"], lookup=True)
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    with serving(create_app(engine, max_queue=4, timeout=300)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300, max_retries=0)
+        whole = client.chat.completions.create(model="speculant", messages=messages, max_completion_tokens=48,
+                                               temperature=0)
+        events = list(client.chat.completions.create(model="speculant", messages=messages, max_tokens=48,
+                                                     temperature=0, stream=True))
+    streamed = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert whole.choices[0].message.content == expected.text == streamed
+    assert whole.usage.completion_tokens == len(expected.token_ids)
