@@ -215,3 +215,43 @@ def test_warm_start_from_dflash_drafts_exactly_as_that_dflash(trained_target, se
     other_cfg = mod.new_dflash2_config(trained_target, tmp_path / "other", mod.DFlash2Shape(**{**SHAPE, "target_layer_ids": other}))
     with pytest.raises(ValueError, match="reads target layers"):
         mod.warm_start(mod.init_dflash2(other_cfg, 0), source, other_cfg.target_layer_ids)
+
+
+def test_a_batch_in_one_forward_equals_each_sequence_alone(trained_target, sequences, tmp_path):
+    """The trainers run a whole batch as one forward (sequences laid end to end, each block masked
+    to its own sequence): DFlash and DFlash2 rows, and the losses, equal those of each sequence
+    alone, with different anchor counts per sequence, sliding-window layers too."""
+    from speculant.core.types import Capture
+    from speculant.training.dflash import Blocks, block_loss, draft_forward
+    from speculant.training.dflash2 import blockwise, dflash2_loss
+    from speculant.training.features import capture_batch, load_frozen_target
+
+    from speculant.drafters.dflash.torch import DFlashModel
+
+    cfg, model = fresh_draft(trained_target, tmp_path / "v2")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    v1 = DFlashModel(cfg)
+    v1.load_state_dict({k: v for k, v in model.state_dict().items() if k in v1.state_dict()}, strict=True)
+    target = load_frozen_target(trained_target)
+    ids = torch.from_numpy(sequences[:3].astype(np.int64))
+    features, _ = capture_batch(target, ids, Capture(tuple(cfg.target_layer_ids)))
+    anchors = [torch.tensor([7, 8, 20]), torch.tensor([3]), torch.tensor([5, 11, 12, 30])]
+    for window in (None, 6):
+        for layer in [*model.layers, *v1.layers]:
+            layer.window = window
+        for draft, run_layer in ((v1, None), (model, blockwise(cfg.block_size))):  # DFlash2 runs block by block
+            with torch.no_grad():
+                together = draft_forward(draft, target, features, ids, anchors, cfg, run_layer=run_layer)
+                alone = torch.cat([draft_forward(draft, target, features[i], ids[i], anchors[i], cfg, run_layer=run_layer)
+                                   for i in range(3)])
+            torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    blocks = Blocks.of(ids, anchors)
+    assert blocks.labels(cfg.block_size)[3].tolist() == ids[1, 4:7].tolist()  # sequence 1's block at anchor 3
+    with torch.no_grad():
+        batch_loss, _ = block_loss(v1, target, features, ids, anchors, cfg)
+        per_block = [block_loss(v1, target, features[i], ids[i], anchors[i], cfg)[0] * len(anchors[i]) for i in range(3)]
+        torch.testing.assert_close(batch_loss, sum(per_block) / 8)  # every block weighs the same
+        both, metrics = dflash2_loss(model, target, features, ids, anchors, cfg, 1.0)
+    assert torch.isfinite(both) and set(metrics) == {"acc1", "selector", "candidate_recall"}

@@ -72,16 +72,53 @@ def generate_sequences(target, prompts: np.ndarray, new_tokens: int, batch: int 
     return np.concatenate(out)
 
 
-def block_mask(anchors: torch.Tensor, seq_len: int, block: int, window: int | None = None) -> torch.Tensor:
-    """Keep-mask [n*B, S + n*B]: context strictly before the row's anchor, plus its own block.
-    A sliding ``window`` keeps, as inference does, context keys less than ``window`` positions
-    before the row (its block is never farther apart)."""
-    n, device = anchors.shape[0], anchors.device
+@dataclass
+class Blocks:
+    """Blocks opened at anchors in one or more sequences laid end to end: the context is every
+    row of every sequence, and the mask keeps each block to its own sequence, so a whole batch
+    runs as one forward (a GPU step is bound by kernel launches, not by the masked keys)."""
+    tokens: torch.Tensor  # [R] every sequence's token ids, one after another
+    context_positions: torch.Tensor  # [R] each row's position in its own sequence
+    context_sequence: torch.Tensor  # [R] the sequence each row belongs to
+    anchor_rows: torch.Tensor  # [n] each anchor's index into ``tokens``
+    anchor_positions: torch.Tensor  # [n] its position in its own sequence
+    anchor_sequence: torch.Tensor  # [n]
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, anchors: torch.Tensor | list[torch.Tensor]) -> "Blocks":
+        """From one sequence [S] and its anchors [n], or a batch [b, S] and a list of anchors per row."""
+        if tokens.dim() == 1:
+            tokens, anchors = tokens[None], [anchors]
+        b, S = tokens.shape
+        device = tokens.device
+        sequence = torch.cat([torch.full_like(a, i) for i, a in enumerate(anchors)])
+        positions = torch.cat(list(anchors))
+        return cls(tokens.reshape(-1), torch.arange(S, device=device).repeat(b),
+                   torch.arange(b, device=device).repeat_interleave(S), sequence * S + positions, positions, sequence)
+
+    def labels(self, block: int) -> torch.Tensor:
+        """[n, B-1]: the tokens each block's rows 1..B-1 should draft."""
+        return self.tokens[self.anchor_rows[:, None] + torch.arange(1, block, device=self.tokens.device)[None, :]]
+
+    def previous(self, block: int) -> torch.Tensor:
+        """[n, B-1]: the token before each of those (the anchor for row 1)."""
+        return self.tokens[self.anchor_rows[:, None] + torch.arange(block - 1, device=self.tokens.device)[None, :]]
+
+
+def block_mask(anchors: torch.Tensor | Blocks, seq_len: int | None, block: int, window: int | None = None) -> torch.Tensor:
+    """Keep-mask [n*B, R + n*B]: context rows of the block's own sequence strictly before its
+    anchor, plus its own block. A sliding ``window`` keeps, as inference does, context keys less
+    than ``window`` positions before the row (its block is never farther apart). ``anchors``: a
+    :class:`Blocks`, or anchors in one sequence of ``seq_len`` tokens."""
+    blocks = anchors if isinstance(anchors, Blocks) else Blocks.of(torch.zeros(seq_len, dtype=torch.long,
+                                                                               device=anchors.device), anchors)
+    n, device = blocks.anchor_rows.shape[0], blocks.anchor_rows.device
     rows_block = torch.arange(n, device=device).repeat_interleave(block)
-    keys = torch.arange(seq_len, device=device)[None, :]
-    ctx_keep = keys < anchors[rows_block][:, None]
+    anchor = blocks.anchor_positions[rows_block][:, None]
+    keys = blocks.context_positions[None, :]
+    ctx_keep = (keys < anchor) & (blocks.context_sequence[None, :] == blocks.anchor_sequence[rows_block][:, None])
     if window is not None:
-        rows = (anchors[rows_block] + torch.arange(block, device=device).repeat(n))[:, None]
+        rows = anchor + torch.arange(block, device=device).repeat(n)[:, None]
         ctx_keep &= rows - keys < window
     own = rows_block[:, None] == rows_block[None, :]
     return torch.cat([ctx_keep, own], dim=1)
@@ -127,29 +164,32 @@ def anchor_batch(rows: AnchorRows, step: int, rank: int, seed: int, batch: int,
     return ids, anchors
 
 
-def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, cfg: DFlashConfig,
+def draft_forward(model, target, features: torch.Tensor, tokens: torch.Tensor, anchors, cfg: DFlashConfig,
                   run_layer=None):
-    """Draft hidden states [n, B, H] of the blocks opened at ``anchors`` in one sequence.
+    """Draft hidden states [n, B, H] of the blocks opened at ``anchors``: in one sequence
+    (features [S, K*H], tokens [S], anchors [n]) or in a batch (features [b, S, K*H], tokens
+    [b, S], a list of anchors per row; n counts them all, row after row).
     ``run_layer(layer, x, cos, sin, context, mask)`` replaces ``layer(...)`` (DFlash2 runs
     its block-local convolutions block by block)."""
     B = cfg.block_size
-    S, device = features.shape[0], features.device
+    blocks = anchors if isinstance(anchors, Blocks) else Blocks.of(tokens, anchors)
+    n, device = blocks.anchor_rows.shape[0], features.device
     dtype = next(model.parameters()).dtype
-    ctx = model.project_context(features.to(dtype))
-    ctx_cos, ctx_sin = model.rotary(torch.arange(S, device=device), dtype)
-    positions = (anchors[:, None] + torch.arange(B, device=device)[None, :]).reshape(-1)
+    ctx = model.project_context(features.reshape(-1, features.shape[-1]).to(dtype))
+    ctx_cos, ctx_sin = model.rotary(blocks.context_positions, dtype)
+    positions = (blocks.anchor_positions[:, None] + torch.arange(B, device=device)[None, :]).reshape(-1)
     cos, sin = model.rotary(positions, dtype)
-    ids = torch.full((anchors.shape[0], B), cfg.mask_token_id, dtype=torch.long, device=device)
-    ids[:, 0] = tokens[anchors]
+    ids = torch.full((n, B), cfg.mask_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = blocks.tokens[blocks.anchor_rows]
     with torch.no_grad():
         x = target.embed(ids.reshape(-1), raw=True).to(dtype)  # table rows, as inference feeds them
     x = x * cfg.input_embedding_scale
-    masks = {window: block_mask(anchors, S, B, window) for window in {layer.window for layer in model.layers}}
+    masks = {window: block_mask(blocks, None, B, window) for window in {layer.window for layer in model.layers}}
     for layer in model.layers:
         mask = masks[layer.window]
         context = ContextRows(*layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin))
         x = layer(x, cos, sin, context, mask) if run_layer is None else run_layer(layer, x, cos, sin, context, mask)
-    return model.norm(x).reshape(anchors.shape[0], B, -1)
+    return model.norm(x).reshape(n, B, -1)
 
 
 def target_dtype(settings: TrainSettings) -> str | None:
@@ -165,11 +205,12 @@ def on_device(batch_data, target) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def block_loss(model, target, features, tokens, anchors, cfg: DFlashConfig) -> tuple[torch.Tensor, dict]:
+    """The decay-weighted cross-entropy of every block (one sequence or a batch, as :func:`draft_forward`)."""
     B = cfg.block_size
-    hidden = draft_forward(model, target, features, tokens, anchors, cfg)[:, 1:]
+    blocks = Blocks.of(tokens, anchors)
+    hidden = draft_forward(model, target, features, tokens, blocks, cfg)[:, 1:]
     logits = target._head(hidden).float() * cfg.output_multiplier
-    labels = tokens[anchors[:, None] + torch.arange(1, B, device=tokens.device)[None, :]]
-    return weighted_block_ce(logits, labels, B)
+    return weighted_block_ce(logits, blocks.labels(B), B)
 
 
 def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, B: int) -> tuple[torch.Tensor, dict]:
@@ -282,12 +323,8 @@ def train_dflash(
     def loss_fn(model, batch_data):
         ids, anchors = on_device(batch_data, target)
         features, _ = capture_batch(target, ids, capture)
-        losses, accs = [], []
-        for i in range(ids.shape[0]):
-            loss, metrics = block_loss(model, target, features[i], ids[i], anchors[i], cfg)
-            losses.append(loss)
-            accs.append(metrics["acc1"])
-        return torch.stack(losses).mean(), ids.numel(), {"acc1": float(torch.stack(accs).mean())}
+        loss, metrics = block_loss(model, target, features, ids, anchors, cfg)  # the whole batch in one forward
+        return loss, ids.numel(), {"acc1": float(metrics["acc1"])}
 
     # through Objective.forward, so data-parallel runs average the gradients
     train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="dflash")

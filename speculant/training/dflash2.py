@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from speculant.core.types import Capture
 from speculant.core.validator import text_config
 from speculant.drafters.dflash.config import DFlashConfig, parse_config, published_config
-from speculant.training.dflash import (anchor_batch, anchor_rows, copy_draft, draft_forward, mask_token_id, on_device,
-                                       sequence_summary, shape_layer_ids, target_dtype, weighted_block_ce)
+from speculant.training.dflash import (Blocks, anchor_batch, anchor_rows, copy_draft, draft_forward, mask_token_id,
+                                       on_device, sequence_summary, shape_layer_ids, target_dtype, weighted_block_ce)
 from speculant.training.features import capture_batch, load_frozen_target
 from speculant.training.loop import Objective, TrainSettings, call_objective, is_main_process, train
 
@@ -134,13 +134,14 @@ def selector_loss(selector, hidden, logits, predecessors, labels) -> tuple[torch
 
 
 def dflash2_loss(model, target, features, tokens, anchors, cfg: DFlashConfig, selector_weight: float):
+    """Backbone and selector losses of every block (one sequence or a batch, as :func:`draft_forward`)."""
     B = cfg.block_size
-    hidden = draft_forward(model, target, features, tokens, anchors, cfg, run_layer=blockwise(B))[:, 1:]
+    blocks = Blocks.of(tokens, anchors)
+    hidden = draft_forward(model, target, features, tokens, blocks, cfg, run_layer=blockwise(B))[:, 1:]
     logits = target._head(hidden).float() * cfg.output_multiplier
-    offsets = torch.arange(1, B, device=tokens.device)[None, :]
-    labels = tokens[anchors[:, None] + offsets]
+    labels = blocks.labels(B)
     loss, metrics = weighted_block_ce(logits, labels, B)
-    predecessors = tokens[anchors[:, None] + offsets - 1]
+    predecessors = blocks.previous(B)
     sel, recall = selector_loss(model.candidate_selector, hidden.reshape(-1, hidden.shape[-1]),
                                 logits.reshape(-1, logits.shape[-1]), predecessors.reshape(-1), labels.reshape(-1))
     return loss + selector_weight * sel, {**metrics, "selector": sel.detach(), "candidate_recall": recall.detach()}
@@ -193,13 +194,8 @@ def train_dflash2(
     def loss_fn(model, batch_data):
         ids, anchors = on_device(batch_data, target)
         features, _ = capture_batch(target, ids, capture)
-        losses, metrics = [], []
-        for i in range(ids.shape[0]):
-            loss, m = dflash2_loss(model, target, features[i], ids[i], anchors[i], cfg, shape.selector_weight)
-            losses.append(loss)
-            metrics.append(m)
-        return torch.stack(losses).mean(), ids.numel(), {k: float(torch.stack([m[k] for m in metrics]).mean())
-                                                         for k in metrics[0]}
+        loss, metrics = dflash2_loss(model, target, features, ids, anchors, cfg, shape.selector_weight)
+        return loss, ids.numel(), {k: float(v) for k, v in metrics.items()}
 
     train(Objective(model, loss_fn), make_batch, call_objective, settings, out_dir / "checkpoint", description="dflash2")
     if not is_main_process():
