@@ -23,7 +23,7 @@ PROFILE=${PROFILE:-cpu}
 case "$PROFILE" in
   cpu)   d_prompts=1024 d_batch=32   d_rounds=0 d_dflash=2000  d_dflash2=3000  d_batch_train=4  d_anchors=32 d_budget= d_data_s= ;;
   smoke) d_prompts=64   d_batch=16   d_rounds=1 d_dflash=20    d_dflash2=20    d_batch_train=2  d_anchors=32 d_budget= d_data_s= ;;
-  h200)  d_prompts=2048 d_batch=1024 d_rounds=3 d_dflash=50000 d_dflash2=50000 d_batch_train=16 d_anchors=128 d_budget=140 d_data_s=90 ;;
+  h200)  d_prompts=2048 d_batch=1024 d_rounds=3 d_dflash=50000 d_dflash2=50000 d_batch_train=16 d_anchors=64  d_budget=140 d_data_s=90 ;;
   *) echo "PROFILE=$PROFILE: choose cpu, smoke or h200" >&2; exit 2 ;;
 esac
 : "${TARGET:?set TARGET to the SmolLM2-135M-Instruct folder (config.json + model.safetensors + tokenizer)}"
