@@ -81,6 +81,8 @@ class Verification:
 
     accepted: int
     token_ids: list[int]  # accepted drafts followed by the correction/bonus token
+    # tree cycles only: the tree nodes of the anchor and the accepted drafts (core/tree.py)
+    path: tuple[int, ...] = ()
 
     @property
     def bonus_token_id(self) -> int:
