@@ -11,6 +11,7 @@ _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # Layer kinds the torch target rolls back exactly after a rejected block (rollback.py); Gated
 # DeltaNet linear attention only in the families whose delta rule the target records.
 _ROLLED_BACK = ("full_attention", "sliding_attention")
+_TREE_KINDS = ("full_attention", "sliding_attention")  # what a tree verify forward takes (tree.py)
 GATED_DELTANET_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
@@ -59,6 +60,15 @@ class TorchBackend(Backend):
             "after a rejected block; it rolls back full_attention, sliding_attention and the Gated DeltaNet "
             f"linear_attention of {', '.join(GATED_DELTANET_FAMILIES)}"
         )
+
+    @classmethod
+    def tree_problem(cls, target: TargetInfo) -> str | None:
+        refused = [k for k in dict.fromkeys(target.layer_types or ("full_attention",)) if k not in _TREE_KINDS]
+        if not refused:
+            return None
+        return (f"the torch backend verifies trees over full_attention and sliding_attention layers only, "
+                f"not {', '.join(refused)} (target family {target.model_type}: a recurrent state per tree node "
+                "is not implemented)")
 
     @property
     def device(self) -> str:

@@ -1,0 +1,121 @@
+"""The ``tree`` verifier on PyTorch targets: greedy identity with plain greedy on dense and
+sliding-window targets (with branches the chain does not have), a commit that keeps a sibling's
+rows breaking it, the hybrid fallback to chains, and chi-square at temperature 0.8."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import speculant  # noqa: E402
+from speculant.api import load_engine, validate  # noqa: E402
+from speculant.backends.torch import tree as torch_tree  # noqa: E402
+from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
+from speculant.testing.tiny import build_tiny_target  # noqa: E402
+from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
+from stats_helpers import gof_pvalue, reference_probs  # noqa: E402
+
+BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+PROMPT = list(range(5, 15))
+NEW = 48  # crosses the sliding window (16) of the sliding families
+MISTAKES = [2, 0, -1, 4, 1]  # the planted drafter's spoiled block position per cycle
+TREE = {"kind": "tree", "options": {"budget": 12, "width": 2}}
+TARGETS = ("qwen3", "mistral", "gemma3_text")  # dense, all sliding, sliding + full
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, torch_threads):
+    root = tmp_path_factory.mktemp("tree_targets")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = (build_tiny_target(root / name) if name == "qwen3"
+                           else build_tiny_family(root / name, name, sliding_window=16))
+        return built[name]
+
+    return get
+
+
+def plain_tokens(path) -> list[int]:
+    engine = load_engine({"backend": BACKEND, "target": {"path": str(path)}})
+    return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids
+
+
+def planted(path, script, verifier=None):
+    drafter = {"kind": "planted", "options": {"script": script, "mistakes": MISTAKES}, "block_size": 8}
+    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter}
+    if verifier is not None:
+        config["verifier"] = verifier
+    return load_engine(config, registry=registry_with_planted())
+
+
+def run(engine):
+    return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_tree_greedy_equals_plain_and_recovers_planted_mistakes_through_branches(targets, name):
+    path = targets(name)
+    plain = plain_tokens(path)
+    script = [[PROMPT, plain]]
+    tree = run(planted(path, script, TREE))
+    assert tree.token_ids == plain
+    record = tree.stats.verifier
+    assert record["trees"] > 0 and "fallback" not in record
+    assert sum(record["branch_used_per_depth"]) > 0, record  # the accepted path left the chain
+    chain = run(planted(path, script))
+    assert chain.token_ids == plain
+    assert tree.stats.verify_steps < chain.stats.verify_steps  # the branches saved cycles
+
+
+@pytest.mark.parametrize("name", ("qwen3", "gemma3_text"))
+def test_a_commit_that_keeps_a_siblings_rows_breaks_greedy_identity(targets, name, monkeypatch):
+    path = targets(name)
+    plain = plain_tokens(path)
+
+    def first_children(tree, accepted):
+        """The accepted path with every node replaced by its parent's first child (the chain's node)."""
+        children = tree.children()
+        return [0] + [min(children[tree.parents[n]].values()) for n in accepted[1:]]
+
+    monkeypatch.setattr(torch_tree.GATHER, "keep", first_children)
+    broken = run(planted(path, [[PROMPT, plain]], TREE))
+    assert broken.token_ids != plain
+
+
+def test_a_hybrid_target_verifies_chains_and_says_why(tmp_path, torch_threads):
+    path = build_tiny_family(tmp_path / "qwen3_next", "qwen3_next")
+    plain = plain_tokens(path)
+    drafter = {"kind": "planted", "options": {"script": [[PROMPT, plain]], "mistakes": MISTAKES}, "block_size": 8}
+    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
+    report = validate(config, registry=registry_with_planted())
+    assert report.ok
+    assert any(p.field == "verifier.kind" and "linear_attention" in p.message for p in report.warnings)
+    result = run(load_engine(config, registry=registry_with_planted()))
+    assert result.token_ids == plain
+    record = result.stats.verifier
+    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "linear_attention" in record["fallback"]
+
+
+def test_first_sampled_tree_tokens_follow_the_target_at_temperature_0_8(tmp_path, torch_threads):
+    """The token after the prompt's first (sampled plainly) comes from a tree cycle: its distribution,
+    given the most frequent first token, must be the target's at temperature 0.8."""
+    from speculant.testing.tiny import build_tiny_dflash
+
+    target = build_tiny_target(tmp_path / "target", planted=7.5)
+    draft = build_tiny_dflash(tmp_path / "draft", target, seed=7, block_size=8)
+    config = {"backend": BACKEND, "target": {"path": str(target)}, "drafter": {"kind": "dflash", "path": str(draft)},
+              "verifier": {"kind": "tree", "options": {"budget": 8, "width": 3}}}
+    engine = speculant.load_engine(config)
+    pairs = [engine.run(prompt_ids=PROMPT, max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=s).token_ids
+             for s in range(700)]
+    assert engine.last_stats.verifier["trees"] > 0
+    first = np.bincount([p[0] for p in pairs]).argmax()
+    second = np.array([p[1] for p in pairs if p[0] == first])
+    assert len(second) > 150
+    with torch.inference_mode():
+        logits = engine.target.model(torch.tensor([PROMPT + [int(first)]])).logits[0, -1].float().numpy()
+    assert gof_pvalue(second, reference_probs(logits, 0.8)) > 1e-3
