@@ -62,6 +62,17 @@ class DraftTree:
             mask[i, i] = True
         return mask
 
+    def visibility(self, cached: int, window: int | None = None) -> np.ndarray:
+        """``[T, cached + T]`` bool: what each node attends to when the attention layer holds the
+        ``cached`` positions just before the tree and then the tree's own rows. Under a sliding
+        ``window`` a cached row is seen only from fewer than ``window`` positions on, as by a
+        chain token at the node's position."""
+        if window is None:
+            before = np.ones((self.size, cached), dtype=bool)
+        else:  # cached row r is (cached - r) positions before the root; the node is depth further on
+            before = np.asarray(self.depths)[:, None] + np.arange(cached, 0, -1)[None, :] < window
+        return np.concatenate([before, self.ancestor_mask()], axis=1)
+
     def children(self) -> list[dict[int, int]]:
         """Per node, its children by token (a token appears at most once under one parent)."""
         out: list[dict[int, int]] = [{} for _ in self.tokens]
@@ -79,3 +90,31 @@ class DraftTree:
     def leaves(self) -> list[int]:
         has_child = set(self.parents[1:])
         return [i for i in range(self.size) if i not in has_child]
+
+
+TREE_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_kinds_problem(backend: str, layer_types: tuple[str, ...], family: str) -> str | None:
+    """Why ``backend`` cannot verify a tree over these layer kinds in one forward, or None: the
+    attention kinds gather a path's rows; a recurrent state per tree node is not implemented."""
+    refused = [k for k in dict.fromkeys(layer_types or ("full_attention",)) if k not in TREE_LAYER_KINDS]
+    if not refused:
+        return None
+    return (f"the {backend} backend verifies trees over full_attention and sliding_attention layers only, "
+            f"not {', '.join(refused)} (target family {family}: a recurrent state per tree node is not implemented)")
+
+
+class _Gather:
+    """Which tree rows a target's commit keeps (:func:`kept_rows`): a seam for the tests that prove
+    the gather matters, which set ``keep(tree, path)`` to return a sibling's rows instead."""
+
+    keep = None
+
+
+GATHER = _Gather()
+
+
+def kept_rows(tree: DraftTree, path: list[int] | tuple[int, ...]) -> list[int]:
+    """The tree rows a commit of the accepted ``path`` keeps, in order: the path's own."""
+    return list(path) if GATHER.keep is None else GATHER.keep(tree, list(path))

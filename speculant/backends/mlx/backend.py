@@ -62,6 +62,12 @@ class MLXBackend(Backend):
 
         return rollback_problem(target)
 
+    @classmethod
+    def tree_problem(cls, target: TargetInfo) -> str | None:
+        from speculant.core.tree import layer_kinds_problem
+
+        return layer_kinds_problem(cls.name, target.layer_types, target.model_type)
+
     @property
     def device(self) -> str:
         return self._device

@@ -11,7 +11,6 @@ _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # Layer kinds the torch target rolls back exactly after a rejected block (rollback.py); Gated
 # DeltaNet linear attention only in the families whose delta rule the target records.
 _ROLLED_BACK = ("full_attention", "sliding_attention")
-_TREE_KINDS = ("full_attention", "sliding_attention")  # what a tree verify forward takes (tree.py)
 GATED_DELTANET_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
@@ -63,12 +62,9 @@ class TorchBackend(Backend):
 
     @classmethod
     def tree_problem(cls, target: TargetInfo) -> str | None:
-        refused = [k for k in dict.fromkeys(target.layer_types or ("full_attention",)) if k not in _TREE_KINDS]
-        if not refused:
-            return None
-        return (f"the torch backend verifies trees over full_attention and sliding_attention layers only, "
-                f"not {', '.join(refused)} (target family {target.model_type}: a recurrent state per tree node "
-                "is not implemented)")
+        from speculant.core.tree import layer_kinds_problem
+
+        return layer_kinds_problem(cls.name, target.layer_types, target.model_type)
 
     @property
     def device(self) -> str:

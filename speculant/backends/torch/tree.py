@@ -16,14 +16,11 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from speculant.core.tree import DraftTree
+from speculant.core.tree import DraftTree, kept_rows
 
 def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
     """The additive mask ``[1, 1, T, visible cached rows + T]`` for every attention kind in ``cache``:
     one tensor when all layers are of one kind, else a dict by ``layer_types`` name."""
-    past = int(cache.get_seq_length())
-    ancestors = torch.as_tensor(tree.ancestor_mask(), device=device)
-    depths = torch.as_tensor(tree.depths, device=device)
     masks = {}
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -33,11 +30,7 @@ def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
         if kind in masks:
             continue
         cached = int(layer.keys.shape[-2]) if layer.is_initialized else 0
-        allowed = torch.ones(tree.size, cached, dtype=torch.bool, device=device)
-        if sliding:  # rows at positions past - cached .. past - 1; a node at past + d sees those < window back
-            offsets = depths[:, None] + torch.arange(cached, 0, -1, device=device)[None, :]
-            allowed = offsets < layer.sliding_window
-        allowed = torch.cat([allowed, ancestors], dim=1)
+        allowed = torch.as_tensor(tree.visibility(cached, layer.sliding_window if sliding else None), device=device)
         zero = torch.zeros((), dtype=dtype, device=device)
         masks[kind] = torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
     if len(masks) == 1:
@@ -49,7 +42,7 @@ def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
 def commit_path(cache, tree: DraftTree, path: Sequence[int]) -> None:
     """Keep, in every layer, the rows before the tree's rows and the rows of the nodes ``path``."""
     width = tree.size
-    rows = list(path) if GATHER.keep is None else GATHER.keep(tree, list(path))
+    rows = kept_rows(tree, path)
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
@@ -60,13 +53,3 @@ def commit_path(cache, tree: DraftTree, path: Sequence[int]) -> None:
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length -= width - len(rows)
     cache.rollback(0)  # sliding buffers back to window - 1 rows; the block is closed
-
-
-class _Gather:
-    """How :func:`commit_path` picks the kept rows: a seam for the test that proves the gather
-    matters: ``keep(tree, path)`` returning a sibling's rows must break greedy identity)."""
-
-    keep = None
-
-
-GATHER = _Gather()

@@ -1,6 +1,6 @@
-"""The ``tree`` verifier on PyTorch targets: greedy identity with plain greedy on dense and
+"""The ``tree`` verifier on PyTorch and MLX targets: greedy identity with plain greedy on dense and
 sliding-window targets (with branches the chain does not have), a commit that keeps a sibling's
-rows breaking it, the hybrid fallback to chains, and chi-square at temperature 0.8."""
+rows breaking it, the hybrid fallback to chains, and chi-square at temperature 0.8 (PyTorch)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ torch = pytest.importorskip("torch")
 
 import speculant  # noqa: E402
 from speculant.api import load_engine, validate  # noqa: E402
-from speculant.backends.torch import tree as torch_tree  # noqa: E402
+from speculant.core.tree import GATHER  # noqa: E402
 from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
 from speculant.testing.tiny import build_tiny_target  # noqa: E402
 from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 from stats_helpers import gof_pvalue, reference_probs  # noqa: E402
 
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+# MLX's whole compiled forward runs over a static cache that takes no tree: eager forwards
+BACKENDS = {"torch": BACKEND, "mlx": {**BACKEND, "kind": "mlx", "compile": "off"}}
+BACKEND_PARAMS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
 PROMPT = list(range(5, 15))
 NEW = 48  # crosses the sliding window (16) of the sliding families
 MISTAKES = [2, 0, -1, 4, 1]  # the planted drafter's spoiled block position per cycle
@@ -39,14 +42,21 @@ def targets(tmp_path_factory, torch_threads):
     return get
 
 
-def plain_tokens(path) -> list[int]:
-    engine = load_engine({"backend": BACKEND, "target": {"path": str(path)}})
+def backend_config(name: str) -> dict:
+    if name == "mlx":
+        pytest.importorskip("mlx.core")
+        pytest.importorskip("mlx_lm")
+    return BACKENDS[name]
+
+
+def plain_tokens(path, backend="torch") -> list[int]:
+    engine = load_engine({"backend": backend_config(backend), "target": {"path": str(path)}})
     return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids
 
 
-def planted(path, script, verifier=None):
+def planted(path, script, verifier=None, backend="torch"):
     drafter = {"kind": "planted", "options": {"script": script, "mistakes": MISTAKES}, "block_size": 8}
-    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter}
+    config = {"backend": backend_config(backend), "target": {"path": str(path)}, "drafter": drafter}
     if verifier is not None:
         config["verifier"] = verifier
     return load_engine(config, registry=registry_with_planted())
@@ -56,41 +66,44 @@ def run(engine):
     return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True)
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("name", TARGETS)
-def test_tree_greedy_equals_plain_and_recovers_planted_mistakes_through_branches(targets, name):
+def test_tree_greedy_equals_plain_and_recovers_planted_mistakes_through_branches(targets, name, backend):
     path = targets(name)
-    plain = plain_tokens(path)
+    plain = plain_tokens(path, backend)
     script = [[PROMPT, plain]]
-    tree = run(planted(path, script, TREE))
+    tree = run(planted(path, script, TREE, backend))
     assert tree.token_ids == plain
     record = tree.stats.verifier
     assert record["trees"] > 0 and "fallback" not in record
     assert sum(record["branch_used_per_depth"]) > 0, record  # the accepted path left the chain
-    chain = run(planted(path, script))
+    chain = run(planted(path, script, backend=backend))
     assert chain.token_ids == plain
     assert tree.stats.verify_steps < chain.stats.verify_steps  # the branches saved cycles
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("name", ("qwen3", "gemma3_text"))
-def test_a_commit_that_keeps_a_siblings_rows_breaks_greedy_identity(targets, name, monkeypatch):
+def test_a_commit_that_keeps_a_siblings_rows_breaks_greedy_identity(targets, name, backend, monkeypatch):
     path = targets(name)
-    plain = plain_tokens(path)
+    plain = plain_tokens(path, backend)
 
     def first_children(tree, accepted):
         """The accepted path with every node replaced by its parent's first child (the chain's node)."""
         children = tree.children()
         return [0] + [min(children[tree.parents[n]].values()) for n in accepted[1:]]
 
-    monkeypatch.setattr(torch_tree.GATHER, "keep", first_children)
-    broken = run(planted(path, [[PROMPT, plain]], TREE))
+    monkeypatch.setattr(GATHER, "keep", first_children)
+    broken = run(planted(path, [[PROMPT, plain]], TREE, backend))
     assert broken.token_ids != plain
 
 
-def test_a_hybrid_target_verifies_chains_and_says_why(tmp_path, torch_threads):
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_a_hybrid_target_verifies_chains_and_says_why(tmp_path, torch_threads, backend):
     path = build_tiny_family(tmp_path / "qwen3_next", "qwen3_next")
-    plain = plain_tokens(path)
+    plain = plain_tokens(path, backend)
     drafter = {"kind": "planted", "options": {"script": [[PROMPT, plain]], "mistakes": MISTAKES}, "block_size": 8}
-    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
+    config = {"backend": backend_config(backend), "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
     report = validate(config, registry=registry_with_planted())
     assert report.ok
     assert any(p.field == "verifier.kind" and "linear_attention" in p.message for p in report.warnings)

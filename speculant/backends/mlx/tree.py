@@ -1,0 +1,87 @@
+"""Tree verify forwards over an MLX target's caches (docs/tree-verification.md).
+
+mlx-lm's attention reads neither positions nor a mask from its caller: it rotates a block at
+``cache.offset, offset + 1, ...`` and asks the cache for its mask. During one tree forward,
+:func:`tree_forward` therefore (1) has every attention cache answer ``make_mask`` with the tree's
+visibility (``DraftTree.visibility``: the cached rows the layer returns, then ancestors only) and
+(2) swaps each attention's ``rope`` for :class:`TreeRope`, which rotates the nodes of depth ``d``
+at ``offset + d``. Both are undone when the forward returns. :func:`commit_path` then moves the
+accepted path's rows to the positions after the prefix, in full (``KVCache``) and sliding
+(``WindowKVCache``) caches alike. Gated DeltaNet caches take no tree (``MLXBackend.tree_problem``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from speculant.backends.mlx.caches import WindowKVCache
+from speculant.backends.mlx.wrapper import Wrapper
+from speculant.core.tree import DraftTree, kept_rows
+
+
+class TreeRope(Wrapper):
+    """The wrapped rotary embedding applied per tree depth: nodes of depth ``d`` at ``offset + d``."""
+
+    def __init__(self, module: nn.Module, depths: Sequence[int]) -> None:
+        super().__init__(module)
+        self.groups = {}
+        for node, depth in enumerate(depths):
+            self.groups.setdefault(depth, []).append(node)
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        out = [None] * x.shape[-2]
+        for depth, nodes in self.groups.items():
+            rows = mx.take(x, mx.array(nodes), axis=-2)  # [B, H, n, D]: one position for all of them
+            moved = mx.swapaxes(rows, 0, -2)  # the nodes as the batch, each a one-row sequence
+            turned = mx.swapaxes(self.module(moved, offset=offset + depth), 0, -2)
+            for i, node in enumerate(nodes):
+                out[node] = turned[..., i:i + 1, :]
+        return mx.concatenate(out, axis=-2)
+
+
+def _attentions(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if isinstance(m.get("rope") if hasattr(m, "get") else None, nn.Module)]
+
+
+@contextmanager
+def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[None]:
+    """Within: forwards of ``model`` over ``caches`` run ``tree``'s nodes (positions and masks)."""
+    attentions = _attentions(model)
+    ropes = [a["rope"] for a in attentions]
+    for a, rope in zip(attentions, ropes):
+        a.rope = TreeRope(rope, tree.depths)
+    for c in caches:
+        c.make_mask = _mask_of(c, tree)
+    try:
+        yield
+    finally:
+        for a, rope in zip(attentions, ropes):
+            a.rope = rope
+        for c in caches:
+            del c.make_mask
+
+
+def _mask_of(cache, tree: DraftTree):
+    sliding = isinstance(cache, WindowKVCache)
+    cached = cache._kept() if sliding else int(cache.offset)
+    mask = mx.array(tree.visibility(cached, cache.window if sliding else None))
+
+    def make_mask(N: int, *args, **kwargs) -> mx.array:
+        return mask
+
+    return make_mask
+
+
+def commit_path(caches: list, length: int, tree: DraftTree, path: Sequence[int]) -> None:
+    """Keep each cache's rows before ``length`` and then the rows of the nodes ``path``."""
+    rows = kept_rows(tree, path)
+    for c in caches:
+        base = length - getattr(c, "start", 0)  # buffer row of the root (sliding buffers start later)
+        index = mx.array([base + r for r in rows])
+        c.keys[..., base:base + len(rows), :] = mx.take(c.keys, index, axis=2)
+        c.values[..., base:base + len(rows), :] = mx.take(c.values, index, axis=2)
+        c.offset = length + len(rows)
