@@ -43,6 +43,9 @@ class TreeVerifier(Verifier):
         self.fallback: str | None = None
         self._stats = TreeStats()
 
+    def begin(self, context_length: int) -> None:
+        self._stats = TreeStats()  # the statistics are each request's own
+
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
         if self.fallback is not None or draft.logits is None or draft.num_tokens < 1:
             return None
@@ -74,7 +77,7 @@ class TreeVerifier(Verifier):
 
 
 class TreeStats:
-    """Per engine: nodes verified, the accepted depth of every tree, and at each depth how often the
+    """Per request: nodes verified, the accepted depth of every tree, and at each depth how often the
     accepted node was not its parent's first child (a branch the chain would not have had)."""
 
     def __init__(self) -> None:
