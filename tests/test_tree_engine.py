@@ -54,8 +54,8 @@ def plain_tokens(path, backend="torch") -> list[int]:
     return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids
 
 
-def planted(path, script, verifier=None, backend="torch"):
-    drafter = {"kind": "planted", "options": {"script": script, "mistakes": MISTAKES}, "block_size": 8}
+def planted(path, script, verifier=None, backend="torch", **options):
+    drafter = {"kind": "planted", "options": {"script": script, "mistakes": MISTAKES, **options}, "block_size": 8}
     config = {"backend": backend_config(backend), "target": {"path": str(path)}, "drafter": drafter}
     if verifier is not None:
         config["verifier"] = verifier
@@ -80,6 +80,33 @@ def test_tree_greedy_equals_plain_and_recovers_planted_mistakes_through_branches
     chain = run(planted(path, script, backend=backend))
     assert chain.token_ids == plain
     assert tree.stats.verify_steps < chain.stats.verify_steps  # the branches saved cycles
+
+
+@pytest.mark.parametrize("name", ("qwen3", "gemma3_text"))
+def test_the_drafter_gets_the_target_states_of_the_accepted_path(targets, name):
+    """The rows committed to the drafter after each tree are the accepted path's, in order: equal to
+    the target's hidden states over the whole output as transformers computes them."""
+    import json
+
+    import transformers
+
+    path = targets(name)
+    plain = plain_tokens(path)
+    engine = planted(path, [[PROMPT, plain]], TREE, target_layer_ids=[0, 2])
+    rows = []
+    prefill, commit = engine.drafter.prefill, engine.drafter.commit
+    engine.drafter.prefill = lambda ids, out, first: (rows.append(out.features.clone()), prefill(ids, out, first))
+    engine.drafter.commit = lambda out, n, ids: (rows.append(out.features[:n].clone()), commit(out, n, ids))
+    result = run(engine)
+    assert result.token_ids == plain and sum(result.stats.verifier["branch_used_per_depth"]) > 0
+    features = torch.cat(rows)
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([(PROMPT + plain)[: features.shape[0]]]), output_hidden_states=True).hidden_states
+    H = hidden[0].shape[-1]
+    for slot, layer in enumerate([0, 2]):
+        torch.testing.assert_close(features[:, slot * H:(slot + 1) * H], hidden[layer + 1][0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)

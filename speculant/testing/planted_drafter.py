@@ -29,6 +29,7 @@ class PlantedOptions(BaseModel):
     script: list[tuple[list[int], list[int]]] = Field(default_factory=list)
     mistakes: list[int] = Field(default_factory=lambda: [-1])
     default_block_size: int = Field(8, ge=2)
+    target_layer_ids: list[int] = Field(default_factory=list)  # target states to capture (tests read them)
 
 
 class PlantedDrafter(Drafter):
@@ -79,6 +80,7 @@ class PlantedDrafterFactory(DrafterFactory):
             uses_target_embedding=False,
             uses_target_lm_head=False,
             default_block_size=options.default_block_size,
+            target_layer_ids=tuple(options.target_layer_ids),
             trained_block_size=64,
             backends=self.backends,
             vocab_size=target.vocab_size,
