@@ -164,3 +164,46 @@ def test_sampled_uniforms_and_tokens_are_the_same_on_every_backend():
         rng = np.random.default_rng(3)
         runs[name] = [tree_verify(ops, TREE, ops.asarray(logits), sampling, rng).token_ids for _ in range(50)]
     assert len(runs) >= 2 and all(r == runs["numpy"] for r in runs.values())
+
+
+# -- choose = measured: tree or chain from tokens per second ---------------------------------------
+
+def drive_choice(verifier, cycles: int, seconds: dict) -> list[str]:
+    """Run the verifier's hooks for drafted cycles; a tree cycle emits 4 tokens, a chain cycle 2,
+    in ``seconds[kind]``. Returns the kinds run."""
+    from speculant.core.types import CycleTiming, Draft, Verification
+
+    logits = random_marginals(0, 4, 9)
+    kinds = []
+    for _ in range(cycles):
+        draft = Draft(NP.argmax(logits), 4, logits=logits)
+        tree = verifier.tree(NP, draft, 1)
+        kind = "chain" if tree is None else "tree"
+        verification = Verification(3, [1, 2, 3, 4], (0, 1, 2, 3)) if tree is not None else Verification(1, [1, 2])
+        verifier.observe(verification, 4, CycleTiming(100, 4, 4, seconds[kind]))
+        kinds.append(kind)
+    return kinds
+
+
+def test_measured_choice_runs_the_faster_kind_and_explores_the_other():
+    from speculant.verifiers.tree_verifier import TreeVerifier
+
+    verifier = TreeVerifier({"choose": "measured", "explore_every": 5})
+    assert verifier.needs_timings
+    # trees: 4 tokens in 2 ms (2000/s); chains: 2 tokens in 2 ms (1000/s)
+    kinds = drive_choice(verifier, 40, {"tree": 2e-3, "chain": 2e-3})
+    steady = kinds[10:]
+    assert steady.count("chain") == len(steady) // 5 and steady.count("tree") > 20
+    # trees get expensive (4 tokens in 8 ms, 500/s): the choice moves to chains
+    kinds = drive_choice(verifier, 60, {"tree": 8e-3, "chain": 2e-3})
+    steady = kinds[30:]
+    assert steady.count("tree") == len(steady) // 5 and steady.count("chain") > 20
+    assert verifier.decisions()["choice"]["tokens_per_s"]["chain"] == pytest.approx(1000.0)
+
+
+def test_always_verifies_trees_without_timing():
+    from speculant.verifiers.tree_verifier import TreeVerifier
+
+    verifier = TreeVerifier()
+    assert not verifier.needs_timings
+    assert set(drive_choice(verifier, 10, {"tree": 8e-3, "chain": 1e-3})) == {"tree"}

@@ -168,6 +168,17 @@ def test_dflash_and_dflash2_trees_equal_plain_greedy(real_pair, kind, backend):
     assert record["trees"] > 0 and record["mean_accepted_depth"] > 0, record
 
 
+def test_a_measured_choice_between_tree_and_chain_stays_identical_to_plain(real_pair):
+    plain = plain_tokens(real_pair["target"])
+    engine = speculant.load_engine({"backend": BACKEND, "target": {"path": str(real_pair["target"])},
+                                    "drafter": {"kind": "dflash", "path": str(real_pair["dflash"])},
+                                    "verifier": {"kind": "tree", "options": {"choose": "measured", "explore_every": 4}}})
+    result = run(engine)
+    assert result.token_ids == plain and result.stats.phases_timed
+    chosen = result.stats.verifier["choice"]["chosen"]
+    assert chosen["tree"] >= 3 and chosen["chain"] >= 3  # both measured
+
+
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_first_sampled_tree_tokens_follow_the_target_at_temperature_0_8(real_pair, backend):
     """The token after the prompt's first (sampled plainly) comes from a tree cycle: its distribution,

@@ -3,15 +3,15 @@ by sample and match (exact at every temperature); chains where no tree can be bu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
-from speculant.core.schema import UserModel
+from speculant.core.schema import COUNT_MAX, UserModel
 from speculant.core.tree import DraftTree
-from speculant.core.types import CycleTiming, Draft, ProposalKind, SamplingParams, Verification
+from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
 from speculant.verifiers.tree import build_tree, top_candidates, tree_verify
 
@@ -21,6 +21,11 @@ class TreeOptions(UserModel):
 
     budget: int = Field(16, ge=1, le=1024, description="drafted nodes per tree (B), the root not counted")
     width: int = Field(4, ge=1, le=64, description="most candidates per depth (K): the draft's K most probable tokens")
+    choose: Literal["always", "measured"] = Field(
+        "always", description="verify a tree every drafted cycle, or whichever of tree and chain has emitted more "
+        "tokens per second of target and draft time so far (timed cycles, each tried now and then)")
+    explore_every: int = Field(16, ge=2, le=COUNT_MAX, description="with choose = measured, every n-th drafted cycle "
+                               "runs the kind measured slower, so its cost stays known")
 
 
 class TreeVerifier(Verifier):
@@ -42,12 +47,16 @@ class TreeVerifier(Verifier):
         self.budget, self.width = settings.budget, settings.width
         self.fallback: str | None = None
         self._stats = TreeStats()
+        self.choice = CostChoice(settings.explore_every) if settings.choose == "measured" else None
+        self.needs_timings = self.choice is not None  # the choice compares measured seconds
 
     def begin(self, context_length: int) -> None:
         self._stats = TreeStats()  # the statistics are each request's own
 
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
         if self.fallback is not None or draft.logits is None or draft.num_tokens < 1:
+            return None
+        if self.choice is not None and self.choice.next() == "chain":
             return None
         top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], self.width)
         return build_tree(anchor_id, top_ids, top_logprobs, self.budget)
@@ -66,14 +75,57 @@ class TreeVerifier(Verifier):
         self.fallback = reason
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
-        if submitted > 0 and not verification.path:
+        if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP):
+            return
+        kind = "tree" if verification.path else "chain"
+        if kind == "chain":
             self._stats.chain_cycles += 1
+        if self.choice is not None and timing is not None:
+            self.choice.record(kind, len(verification.token_ids), timing.target_s + timing.draft_s + timing.commit_s)
 
     def decisions(self) -> dict:
         record = {"budget": self.budget, "width": self.width, **self._stats.as_dict()}
         if self.fallback is not None:
             record["fallback"] = f"chains: {self.fallback}"
+        if self.choice is not None:
+            record["choice"] = self.choice.as_dict()
         return record
+
+
+class CostChoice:
+    """Tree or chain for the next drafted cycle, from the tokens each has emitted per second
+    (exponential moving averages over this engine's requests): each kind first runs ``WARMUP``
+    times, then the faster one runs, and the slower one every ``explore_every``-th cycle."""
+
+    WARMUP = 3
+    ALPHA = 0.2  # weight of a new measurement
+
+    def __init__(self, explore_every: int) -> None:
+        self.explore_every = explore_every
+        self.rate: dict[str, float | None] = {"tree": None, "chain": None}
+        self.measured = {"tree": 0, "chain": 0}
+        self.chosen = {"tree": 0, "chain": 0}
+        self.cycles = 0
+
+    def next(self) -> str:
+        self.cycles += 1
+        kind = next((k for k in ("tree", "chain") if self.measured[k] < self.WARMUP), None)
+        if kind is None:
+            faster = "tree" if self.rate["tree"] >= self.rate["chain"] else "chain"
+            slower = "chain" if faster == "tree" else "tree"
+            kind = slower if self.cycles % self.explore_every == 0 else faster
+        self.chosen[kind] += 1
+        return kind
+
+    def record(self, kind: str, emitted: int, seconds: float) -> None:
+        if seconds <= 0.0:
+            return
+        rate, old = emitted / seconds, self.rate[kind]
+        self.rate[kind] = rate if old is None else old + self.ALPHA * (rate - old)
+        self.measured[kind] += 1
+
+    def as_dict(self) -> dict:
+        return {"tokens_per_s": dict(self.rate), "chosen": dict(self.chosen)}
 
 
 class TreeStats:
