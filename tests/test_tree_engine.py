@@ -25,7 +25,8 @@ PROMPT = list(range(5, 15))
 NEW = 48  # crosses the sliding window (16) of the sliding families
 MISTAKES = [2, 0, -1, 4, 1]  # the planted drafter's spoiled block position per cycle
 TREE = {"kind": "tree", "options": {"budget": 12, "width": 2}}
-TARGETS = ("qwen3", "mistral", "gemma3_text")  # dense, all sliding, sliding + full
+# dense, all sliding, sliding + full (Gemma 3; gpt-oss with sinks; Muse Glimmer without rope on full layers)
+TARGETS = ("qwen3", "mistral", "gemma3_text", "gpt_oss", "muse_glimmer")
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,8 @@ def test_a_measured_choice_between_tree_and_chain_stays_identical_to_plain(real_
     plain = plain_tokens(real_pair["target"])
     engine = speculant.load_engine({"backend": BACKEND, "target": {"path": str(real_pair["target"])},
                                     "drafter": {"kind": "dflash", "path": str(real_pair["dflash"])},
-                                    "verifier": {"kind": "tree", "options": {"choose": "measured", "explore_every": 4}}})
+                                    "verifier": {"kind": "tree",
+                                                 "options": {"choose": "measured", "explore_every": 4}}})
     result = run(engine)
     assert result.token_ids == plain and result.stats.phases_timed
     chosen = result.stats.verifier["choice"]["chosen"]

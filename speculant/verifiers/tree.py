@@ -72,7 +72,9 @@ def build_tree(anchor_id: int, top_ids: list[list[int]], top_logprobs: list[list
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def tree_verify(ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams, rng: Any) -> Verification:
+def tree_verify(
+    ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams, rng: Any
+) -> Verification:
     """Sample and match over ``tree`` with the target's logits at every node ([T, V], node order).
 
     ``Verification.path`` holds the nodes of the anchor and the accepted drafts."""

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from speculant.backends.mlx import compiled, families, layout, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
-from speculant.backends.mlx.tree import commit_path, tree_forward
+from speculant.backends.mlx.tree import commit_path, rope_problem, tree_forward
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.errors import NonFiniteLogitsError
@@ -256,7 +256,7 @@ class MLXTarget(TargetModel):
         problem = type(self.backend).tree_problem(self.info)
         if problem is None and self._static is not None:
             problem = "the whole compiled forward's static cache takes no tree (backend.compile = 'off' verifies trees)"
-        return problem
+        return problem or rope_problem(self.model, self.cache)
 
     def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
         """Every node of ``tree`` in one forward: positions and masks from tree.py."""

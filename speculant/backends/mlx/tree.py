@@ -47,6 +47,19 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if isinstance(m.get("rope") if hasattr(m, "get") else None, nn.Module)]
 
 
+def rope_problem(model: nn.Module, caches: list) -> str | None:
+    """Why tree positions cannot be placed in ``model``: every attention cache needs one attention
+    module whose rotary embedding is its ``rope`` (what :class:`TreeRope` replaces), or one that
+    says it has none (``use_rope = False``: Muse Glimmer's full layers read no positions)."""
+    without = sum(1 for _, m in model.named_modules() if getattr(m, "use_rope", None) is False)
+    attentions = len(_attentions(model)) + without
+    kv = sum(1 for c in caches if hasattr(c, "keys"))
+    if attentions == kv:
+        return None
+    return (f"{attentions} attention modules hold a `rope` for {kv} attention caches, so tree positions "
+            "(prefix + depth) cannot be placed in this model's attention")
+
+
 @contextmanager
 def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[None]:
     """Within: forwards of ``model`` over ``caches`` run ``tree``'s nodes (positions and masks)."""

@@ -267,7 +267,8 @@ class TorchTarget(TargetModel):
         self._tree = tree
         with self.cache.verifying():
             self.cache.block_length += tree.size
-            return self._run(self.backend.int_array(tree.tokens), capture, 0, attention_mask=mask, position_ids=positions)
+            ids = self.backend.int_array(tree.tokens)
+            return self._run(ids, capture, 0, attention_mask=mask, position_ids=positions)
 
     def commit_tree(self, length: int, path) -> None:
         tree, self._tree = self._tree, None
