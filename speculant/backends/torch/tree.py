@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionC
 
 from speculant.core.tree import DraftTree, kept_rows
 
+
 def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
     """The additive mask ``[1, 1, T, visible cached rows + T]`` for every attention kind in ``cache``:
     one tensor when all layers are of one kind, else a dict by ``layer_types`` name."""
@@ -46,8 +47,8 @@ def commit_path(cache, tree: DraftTree, path: Sequence[int]) -> None:
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        index = torch.as_tensor(rows, device=layer.keys.device) + (int(layer.keys.shape[-2]) - width)
-        kept = int(layer.keys.shape[-2]) - width
+        kept = int(layer.keys.shape[-2]) - width  # the cached rows before the tree's
+        index = torch.as_tensor(rows, device=layer.keys.device) + kept
         layer.keys = torch.cat([layer.keys[:, :, :kept], layer.keys.index_select(2, index)], dim=2)
         layer.values = torch.cat([layer.values[:, :, :kept], layer.values.index_select(2, index)], dim=2)
         if isinstance(layer, DynamicSlidingWindowLayer):
