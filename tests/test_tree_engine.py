@@ -126,15 +126,65 @@ def test_a_commit_that_keeps_a_siblings_rows_breaks_greedy_identity(targets, nam
     assert broken.token_ids != plain
 
 
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_a_hybrid_target_verifies_chains_and_says_why(tmp_path, torch_threads, backend):
-    path = build_tiny_family(tmp_path / "qwen3_next", "qwen3_next")
-    plain = plain_tokens(path, backend)
+HYBRIDS = ("qwen3_next", "qwen3_5")  # Gated DeltaNet 3 : 1 full attention
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory, torch_threads):
+    root = tmp_path_factory.mktemp("tree_hybrids")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tiny_family(root / name, name)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_trees_on_torch_equal_plain_greedy(hybrids, name):
+    """Each node's convolution reads its ancestors and its delta rule starts from its parent's state."""
+    path = hybrids(name)
+    plain = plain_tokens(path)
+    result = run(planted(path, [[PROMPT, plain]], TREE))
+    assert result.token_ids == plain
+    record = result.stats.verifier
+    assert record["trees"] > 0 and sum(record["branch_used_per_depth"]) > 0 and "fallback" not in record
+
+
+def test_a_hybrid_commit_that_keeps_the_wrong_nodes_state_breaks_greedy_identity(hybrids, monkeypatch):
+    from speculant.backends.torch import tree as torch_tree
+
+    path = hybrids("qwen3_next")
+    plain = plain_tokens(path)
+    commit = torch_tree._commit_linear
+
+    def parents_state(layer, states, width, rows):
+        """The recurrent state of the path's second-last node (its parent) instead of its last."""
+        if states is not None and len(rows) > 1:
+            states = list(states)
+            states[rows[-1]] = states[rows[-2]]
+        return commit(layer, states, width, rows)
+
+    monkeypatch.setattr(torch_tree, "_commit_linear", parents_state)
+    assert run(planted(path, [[PROMPT, plain]], TREE)).token_ids != plain
+    monkeypatch.undo()
+    monkeypatch.setattr(GATHER, "keep", lambda tree, accepted: [0] + [min(tree.children()[tree.parents[n]].values())
+                                                                     for n in accepted[1:]])
+    assert run(planted(path, [[PROMPT, plain]], TREE)).token_ids != plain  # a sibling's inputs and state
+
+
+@pytest.mark.mlx
+def test_a_hybrid_target_verifies_chains_on_mlx_and_says_why(hybrids):
+    path = hybrids("qwen3_next")
+    plain = plain_tokens(path, "mlx")
     drafter = {"kind": "planted", "options": {"script": [[PROMPT, plain]], "mistakes": MISTAKES}, "block_size": 8}
-    config = {"backend": backend_config(backend), "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
+    config = {"backend": backend_config("mlx"), "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
     report = validate(config, registry=registry_with_planted())
     assert report.ok
     assert any(p.field == "verifier.kind" and "linear_attention" in p.message for p in report.warnings)
+    assert not validate({**config, "backend": BACKEND}, registry=registry_with_planted()).warnings
     result = run(load_engine(config, registry=registry_with_planted()))
     assert result.token_ids == plain
     record = result.stats.verifier

@@ -95,13 +95,16 @@ class DraftTree:
 TREE_LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
-def layer_kinds_problem(backend: str, layer_types: tuple[str, ...], family: str) -> str | None:
+def layer_kinds_problem(backend: str, layer_types: tuple[str, ...], family: str,
+                        also: tuple[str, ...] = ()) -> str | None:
     """Why ``backend`` cannot verify a tree over these layer kinds in one forward, or None: the
-    attention kinds gather a path's rows; a recurrent state per tree node is not implemented."""
-    refused = [k for k in dict.fromkeys(layer_types or ("full_attention",)) if k not in TREE_LAYER_KINDS]
+    attention kinds gather a path's rows; ``also`` names the other kinds this backend handles for
+    this family (a recurrent state per tree node)."""
+    taken = TREE_LAYER_KINDS + also
+    refused = [k for k in dict.fromkeys(layer_types or ("full_attention",)) if k not in taken]
     if not refused:
         return None
-    return (f"the {backend} backend verifies trees over full_attention and sliding_attention layers only, "
+    return (f"the {backend} backend verifies trees over {', '.join(taken)} layers only here, "
             f"not {', '.join(refused)} (target family {family}: a recurrent state per tree node is not implemented)")
 
 

@@ -64,7 +64,8 @@ class TorchBackend(Backend):
     def tree_problem(cls, target: TargetInfo) -> str | None:
         from speculant.core.tree import layer_kinds_problem
 
-        return layer_kinds_problem(cls.name, target.layer_types, target.model_type)
+        gated_deltanet = ("linear_attention",) if target.model_type in GATED_DELTANET_FAMILIES else ()
+        return layer_kinds_problem(cls.name, target.layer_types, target.model_type, also=gated_deltanet)
 
     @property
     def device(self) -> str:

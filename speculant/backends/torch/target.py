@@ -14,7 +14,7 @@ from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
-from speculant.backends.torch.tree import commit_path, tree_mask
+from speculant.backends.torch.tree import commit_path, install_tree_conv, tree_mask, tree_nodes
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.interfaces import TargetModel
 from speculant.core.pre_tokenizer import restore_pre_tokenizer
@@ -85,6 +85,7 @@ class TorchTarget(TargetModel):
         self._cache_cls = RollbackCache
         self.cache = RollbackCache(config=model.config)
         self._recorded_layers = install_recording(model)  # Gated DeltaNet layers whose states a rollback can reach
+        install_tree_conv(model)  # their convolution over a draft tree's ancestors (tree.py)
         _, layers, norm = decoder_parts(model)
         self._recorder = _Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
@@ -255,6 +256,9 @@ class TorchTarget(TargetModel):
 
     def tree_problem(self) -> str | None:
         problem = type(self.backend).tree_problem(self.info)
+        linear = [i for i, kind in enumerate(self.info.layer_types) if kind == "linear_attention"]
+        if problem is None and not set(linear) <= self._recorded_layers:
+            problem = f"linear_attention layers {sorted(set(linear) - self._recorded_layers)} run a delta rule speculant does not reach"
         if problem is None and self._steps is not None:
             problem = "the compiled path's static cache takes no tree (backend.compile = 'off' verifies trees)"
         return problem
@@ -265,7 +269,7 @@ class TorchTarget(TargetModel):
         mask = tree_mask(self.cache, tree, self.model.dtype, device)
         positions = torch.tensor([tree.positions(self.cache_length)], device=device)
         self._tree = tree
-        with self.cache.verifying():
+        with self.cache.verifying(), tree_nodes(tree):
             self.cache.block_length += tree.size
             ids = self.backend.int_array(tree.tokens)
             return self._run(ids, capture, 0, attention_mask=mask, position_ids=positions)
