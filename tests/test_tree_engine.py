@@ -142,53 +142,93 @@ def hybrids(tmp_path_factory, torch_threads):
     return get
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_hybrid_trees_on_torch_equal_plain_greedy(hybrids, name):
+def test_hybrid_trees_equal_plain_greedy(hybrids, name, backend):
     """Each node's convolution reads its ancestors and its delta rule starts from its parent's state."""
     path = hybrids(name)
-    plain = plain_tokens(path)
-    result = run(planted(path, [[PROMPT, plain]], TREE))
+    plain = plain_tokens(path, backend)
+    result = run(planted(path, [[PROMPT, plain]], TREE, backend))
     assert result.token_ids == plain
     record = result.stats.verifier
     assert record["trees"] > 0 and sum(record["branch_used_per_depth"]) > 0 and "fallback" not in record
 
 
-def test_a_hybrid_commit_that_keeps_the_wrong_nodes_state_breaks_greedy_identity(hybrids, monkeypatch):
-    from speculant.backends.torch import tree as torch_tree
+def commit_of(backend: str):
+    """(module, name) of the backend's Gated DeltaNet commit: (cache or layer, states, width, rows)."""
+    if backend == "torch":
+        from speculant.backends.torch import tree as torch_tree
 
+        return torch_tree, "_commit_linear"
+    from speculant.backends.mlx import tree as mlx_tree
+
+    return mlx_tree, "_commit_delta"
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_a_hybrid_commit_that_keeps_the_wrong_nodes_state_breaks_greedy_identity(hybrids, backend, monkeypatch):
     path = hybrids("qwen3_next")
-    plain = plain_tokens(path)
-    commit = torch_tree._commit_linear
+    plain = plain_tokens(path, backend)
+    module, name = commit_of(backend)
+    commit = getattr(module, name)
 
-    def parents_state(layer, states, width, rows):
+    def parents_state(layer, *args):
         """The recurrent state of the path's second-last node (its parent) instead of its last."""
+        rows = args[-1]
+        states = layer.states if backend == "mlx" else args[0]
         if states is not None and len(rows) > 1:
-            states = list(states)
-            states[rows[-1]] = states[rows[-2]]
-        return commit(layer, states, width, rows)
+            swapped = list(states)
+            swapped[rows[-1]] = states[rows[-2]]
+            if backend == "mlx":
+                layer.states = swapped
+            else:
+                args = (swapped, *args[1:])
+        return commit(layer, *args)
 
-    monkeypatch.setattr(torch_tree, "_commit_linear", parents_state)
-    assert run(planted(path, [[PROMPT, plain]], TREE)).token_ids != plain
+    monkeypatch.setattr(module, name, parents_state)
+    assert run(planted(path, [[PROMPT, plain]], TREE, backend)).token_ids != plain
     monkeypatch.undo()
     monkeypatch.setattr(GATHER, "keep", lambda tree, accepted: [0] + [min(tree.children()[tree.parents[n]].values())
                                                                      for n in accepted[1:]])
-    assert run(planted(path, [[PROMPT, plain]], TREE)).token_ids != plain  # a sibling's inputs and state
+    assert run(planted(path, [[PROMPT, plain]], TREE, backend)).token_ids != plain  # a sibling's inputs and state
 
 
 @pytest.mark.mlx
-def test_a_hybrid_target_verifies_chains_on_mlx_and_says_why(hybrids):
-    path = hybrids("qwen3_next")
+def test_a_compiled_static_path_verifies_chains_and_says_why(targets):
+    """MLX's whole compiled forward (backend.compile = auto on the CPU) runs over a static cache
+    that takes no tree: the tree verifier verifies chains there, with the reason."""
+    path = targets("qwen3")
     plain = plain_tokens(path, "mlx")
     drafter = {"kind": "planted", "options": {"script": [[PROMPT, plain]], "mistakes": MISTAKES}, "block_size": 8}
-    config = {"backend": backend_config("mlx"), "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
-    report = validate(config, registry=registry_with_planted())
-    assert report.ok
-    assert any(p.field == "verifier.kind" and "linear_attention" in p.message for p in report.warnings)
-    assert not validate({**config, "backend": BACKEND}, registry=registry_with_planted()).warnings
-    result = run(load_engine(config, registry=registry_with_planted()))
+    config = {"backend": {**backend_config("mlx"), "compile": "auto"}, "target": {"path": str(path)},
+              "drafter": drafter, "verifier": TREE}
+    engine = load_engine(config, registry=registry_with_planted())
+    if not engine.target.compiles_whole:
+        pytest.skip(f"the whole forward is not compiled here: {engine.target.fast_path}")
+    result = run(engine)
     assert result.token_ids == plain
     record = result.stats.verifier
-    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "linear_attention" in record["fallback"]
+    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "backend.compile" in record["fallback"]
+
+
+def test_the_validator_warns_when_a_backend_takes_no_tree(tmp_path):
+    """A backend without tree forwards (the default of Backend.tree_problem) gets a warning on
+    verifier.kind, naming the reason; the built-in backends take every layer kind they roll back."""
+    from speculant.backends.torch.backend import TorchBackend
+    from speculant.core.interfaces import Backend
+
+    path = build_tiny_target(tmp_path / "target")
+    registry = registry_with_planted()
+
+    class Treeless(TorchBackend):
+        tree_problem = classmethod(Backend.tree_problem.__func__)
+
+    registry.backends["torch"] = Treeless
+    drafter = {"kind": "planted", "options": {}, "block_size": 8}
+    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter, "verifier": TREE}
+    warned = [p for p in validate(config, registry=registry).warnings if p.field == "verifier.kind"]
+    assert len(warned) == 1 and "no tree verify forward" in warned[0].message
+    assert not [p for p in validate(config, registry=registry_with_planted()).warnings if p.field == "verifier.kind"]
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,11 @@ class MLXBackend(Backend):
     def tree_problem(cls, target: TargetInfo) -> str | None:
         from speculant.core.tree import layer_kinds_problem
 
-        return layer_kinds_problem(cls.name, target.layer_types, target.model_type)
+        from speculant.backends.mlx.families import rollback_problem
+
+        # Gated DeltaNet where the target rolls it back (its per-position taps also run trees)
+        gated_deltanet = ("linear_attention",) if rollback_problem(target) is None else ()
+        return layer_kinds_problem(cls.name, target.layer_types, target.model_type, also=gated_deltanet)
 
     @property
     def device(self) -> str:

@@ -263,7 +263,7 @@ class MLXTarget(TargetModel):
         forget_all(self.cache)
         ids = mx.array(list(tree.tokens), dtype=mx.int32)
         with tree_forward(self.model, self.cache, tree):
-            logits, features, final = self._run(ids, capture)
+            logits, features, final = self._run(ids, capture, record=bool(self._delta_layers))
         self._tree = tree
         out = ForwardOutput(logits=logits, features=features, final_hidden=final)
         _schedule(out)

@@ -7,7 +7,12 @@ visibility (``DraftTree.visibility``: the cached rows the layer returns, then an
 (2) swaps each attention's ``rope`` for :class:`TreeRope`, which rotates the nodes of depth ``d``
 at ``offset + d``. Both are undone when the forward returns. :func:`commit_path` then moves the
 accepted path's rows to the positions after the prefix, in full (``KVCache``) and sliding
-(``WindowKVCache``) caches alike. Gated DeltaNet caches take no tree (``MLXBackend.tree_problem``).
+(``WindowKVCache``) caches alike.
+
+Gated DeltaNet layers (``DeltaCache``): with ``caches.TREE`` set, the tapped convolution computes
+each node from its ancestors' inputs (then the cached window) (:func:`tree_conv`) and the
+per-position delta rule starts each node from its parent's state; the commit keeps the cached
+window plus the path's inputs and the state of the path's last node.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from speculant.backends.mlx.caches import WindowKVCache
+from speculant.backends.mlx import caches as cache_kinds
+from speculant.backends.mlx.caches import DeltaCache, WindowKVCache
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.tree import DraftTree, kept_rows
 
@@ -67,14 +73,17 @@ def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[No
     ropes = [a["rope"] for a in attentions]
     for a, rope in zip(attentions, ropes):
         a.rope = TreeRope(rope, tree.depths)
-    for c in caches:
+    attention_caches = [c for c in caches if not isinstance(c, DeltaCache)]
+    for c in attention_caches:
         c.make_mask = _mask_of(c, tree)
+    cache_kinds.TREE.parents, cache_kinds.TREE.conv = tree.parents, tree_conv
     try:
         yield
     finally:
+        cache_kinds.TREE.parents = cache_kinds.TREE.conv = None
         for a, rope in zip(attentions, ropes):
             a.rope = rope
-        for c in caches:
+        for c in attention_caches:
             del c.make_mask
 
 
@@ -93,8 +102,47 @@ def commit_path(caches: list, length: int, tree: DraftTree, path: Sequence[int])
     """Keep each cache's rows before ``length`` and then the rows of the nodes ``path``."""
     rows = kept_rows(tree, path)
     for c in caches:
+        if isinstance(c, DeltaCache):
+            _commit_delta(c, tree.size, rows)
+            continue
         base = length - getattr(c, "start", 0)  # buffer row of the root (sliding buffers start later)
         index = mx.array([base + r for r in rows])
         c.keys[..., base:base + len(rows), :] = mx.take(c.keys, index, axis=2)
         c.values[..., base:base + len(rows), :] = mx.take(c.values, index, axis=2)
         c.offset = length + len(rows)
+
+
+def _commit_delta(cache: DeltaCache, width: int, rows: list[int]) -> None:
+    """The convolution window after the path's inputs; the recurrent state of its last node."""
+    if cache.conv_input is None or len(cache.states) != width:
+        raise RuntimeError("a Gated DeltaNet layer recorded no per-node states for the tree just verified")
+    cached = cache.conv_input.shape[1] - width  # kernel - 1
+    inputs = mx.concatenate([cache.conv_input[:, :cached], mx.take(cache.conv_input, mx.array([cached + r for r in rows]),
+                                                                    axis=1)], axis=1)
+    cache[0] = mx.contiguous(inputs[:, -cached:, :])
+    cache[1] = cache.states[rows[-1]]
+    cache.forget()
+
+
+def tree_conv(conv: nn.Module, x: mx.array, parents: Sequence[int]) -> mx.array:
+    """A depthwise ``conv`` (mlx ``Conv1d``, no padding) over ``x`` [B, kernel - 1 + T, C] whose last
+    T rows are tree nodes: node ``i``'s window is its ancestors' rows, then the cached rows."""
+    weight = conv.weight  # [C, kernel, 1]
+    kernel, nodes = int(weight.shape[1]), len(parents)
+    cached = int(x.shape[1]) - nodes
+    windows = []
+    for i in range(nodes):
+        column, back, node = [], 0, i
+        while len(column) < kernel:
+            if node >= 0:
+                column.append(cached + node)
+                node = parents[node]
+            else:
+                back += 1
+                column.append(cached - back)
+        windows.append(column[::-1])  # oldest first, as the kernel's taps
+    gathered = mx.take(x, mx.array(windows), axis=1)  # [B, T, kernel, C]
+    out = (gathered * mx.transpose(weight[:, :, 0])).sum(axis=2)
+    if "bias" in conv:
+        out = out + conv.bias
+    return out
