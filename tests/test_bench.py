@@ -71,6 +71,19 @@ def test_runs_record_the_metrics_and_greedy_token_match(matrix_run):
     assert {orders[(k, 0)] != orders[(k, 1)] for k in {r["cell"] for r in spec}} == {True}
 
 
+def test_tree_is_a_verifier_axis_with_its_statistics_in_the_runs(planted_pair, tmp_path):
+    cfg = config(planted_pair, tmp_path / "out", repeats=1,
+                 matrix={"drafters": ["dflash"], "block_sizes": [4], "verifiers": ["auto", "tree"]})
+    runs: list[dict] = []
+    summary = run_bench(cfg, progress=False, on_run=runs.append)
+    assert summary.totals["ok"] == 2 and summary.totals["failed"] == 0
+    spec = [r for r in runs if r["role"] == "spec"]
+    trees = [r for r in spec if "tree" in r]
+    assert len(trees) == 1 and len(spec) == 2
+    assert trees[0]["token_match"] is True and trees[0]["tree"]["trees"] > 0
+    assert trees[0]["tree"]["nodes_verified"] > trees[0]["tree"]["trees"]
+
+
 def test_summary_json_validates_and_holds_the_numbers(matrix_run):
     _, out, summary, _ = matrix_run
     loaded = BenchSummary.model_validate_json((out / "summary.json").read_text())

@@ -101,7 +101,7 @@ def run_record(cell: Cell, config: BenchConfig, attempt: str, role: str, repeat:
                result) -> dict:
     stats = result.stats
     data = stats.full_dict()
-    data.pop("verifier", None)
+    verifier = data.pop("verifier", None)
     record = {
         "type": "run", "cell": cell.key, "attempt": attempt, "role": role, "repeat": repeat,
         "prompt_index": prompt.index, "order": order, "seed": run_seed(config, repeat, prompt.index),
@@ -111,4 +111,6 @@ def run_record(cell: Cell, config: BenchConfig, attempt: str, role: str, repeat:
     }
     if config.record_tokens:
         record["token_ids"] = list(result.token_ids)
+    if cell.verifier == "tree" and role == "spec" and verifier:
+        record["tree"] = verifier  # nodes verified, accepted depths, branches used, or why chains
     return record

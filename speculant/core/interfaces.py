@@ -27,6 +27,8 @@ from speculant.core.types import (
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from speculant.core.tree import DraftTree
+
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
     from speculant.core.problems import Problem
 
@@ -111,6 +113,22 @@ class TargetModel(ABC):
         PyTorch); returns what was done, or None when nothing was."""
         return None
 
+    def tree_problem(self) -> str | None:
+        """Why this target cannot verify a draft tree in one forward (the engine then verifies
+        chains), or None when :meth:`forward_tree` and :meth:`commit_tree` work."""
+        return f"{type(self).__name__} has no tree verify forward"
+
+    def forward_tree(self, tree: "DraftTree", capture: Capture = Capture()) -> ForwardOutput:
+        """Run every node of ``tree`` after the cache in one forward: node i at position
+        ``cache_length + depth[i]``, seeing the cache and its own ancestors only; logits and
+        captured states for every node, in node order."""
+        raise NotImplementedError(self.tree_problem())
+
+    def commit_tree(self, length: int, path: Sequence[int]) -> None:
+        """After :meth:`forward_tree` over a cache of ``length`` positions: keep the rows of the
+        tree nodes ``path`` (root first) at positions ``length ..`` and drop every other node."""
+        raise NotImplementedError(self.tree_problem())
+
 
 class Backend(ABC):
     """An array runtime: loads targets, provides ArrayOps, reports memory."""
@@ -146,6 +164,13 @@ class Backend(ABC):
         """Why this backend cannot roll back ``target``'s caches after a rejected block (naming
         the layer type and the family), or None when every layer kind is rolled back exactly."""
         return None
+
+    @classmethod
+    def tree_problem(cls, target: TargetInfo) -> str | None:
+        """Why this backend cannot verify a draft tree of ``target`` in one forward (naming the
+        layer kind), or None. The ``tree`` verifier then verifies chains, with this reason in
+        its statistics."""
+        return f"the {cls.name} backend has no tree verify forward"
 
     @property
     @abstractmethod
@@ -258,6 +283,8 @@ class Verifier(ABC):
     # Whether the next cycle may be drafted before this cycle's verification is read: true for
     # a verifier whose wants_draft/plan read nothing from past verifications.
     allows_draft_ahead: ClassVar[bool] = True
+    # Whether tree() may return draft trees (the engine then asks the target whether it takes them).
+    builds_trees: ClassVar[bool] = False
 
     def __init__(self, options: dict | None = None) -> None:
         self.options = options or {}
@@ -288,6 +315,21 @@ class Verifier(ABC):
         rng: Any,
     ) -> Verification:
         """Verify ``draft`` (k tokens, or None) against ``target_logits`` [k+1, V]."""
+
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> "DraftTree | None":
+        """A draft tree to verify this cycle instead of ``draft``'s chain (built from the drafter's
+        per-position distributions), or None (the default: chains only)."""
+        return None
+
+    def verify_tree(
+        self, ops: ArrayOps, tree: "DraftTree", target_logits: Array, sampling: SamplingParams, rng: Any
+    ) -> Verification:
+        """Verify ``tree`` against the target's logits at every node [T, V]; ``Verification.path``
+        names the accepted nodes."""
+        raise NotImplementedError(f"the {self.name} verifier verifies no trees")
+
+    def tree_refused(self, reason: str) -> None:
+        """The target cannot verify trees (``reason``): this verifier's requests verify chains."""
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
         """Learn from a finished cycle (for adaptive policies); ``timing`` is what it cost."""

@@ -16,6 +16,7 @@ import numpy as np
 from speculant.core.config import GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError
 from speculant.core.metrics import GenerationStats, target_name
+from speculant.core.tree_cycle import tree_cycle, trees_allowed
 from speculant.core.types import Capture, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class Loop:
         within = limit is None or len(prompt_ids) < limit
         self.speculating = engine.drafter is not None and within
         self.draft_ahead = self.speculating and self._may_draft_ahead()
+        self.trees = self.speculating and trees_allowed(engine)
         self._ahead: Draft | None = None  # the next cycle's draft, made before this one's verification
         self._ahead_anchor = None
         self._last_whole = True  # the last verified draft was accepted whole
@@ -151,6 +153,9 @@ class Loop:
         n = e.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
+        tree = e.verifier.tree(e.backend.ops, draft, anchor) if self.trees and draft is not None else None
+        if tree is not None:
+            return tree_cycle(self, position, tree, drafted, draft_s)
         anchor_arr = e.backend.int_array([anchor])
         block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
         capture = self.capture

@@ -45,7 +45,8 @@ class Draft:
     ``token_ids`` is a 1-D backend integer array of length k. ``draft_probs`` is None for
     one-hot proposals, a [k, V] array for dense ones, or a [k, C] array over
     ``candidate_ids`` [k, C] for sparse ones. ``confidence`` (host floats, one per row)
-    is draft-side information an adaptive policy may read.
+    is draft-side information an adaptive policy may read. ``logits`` [k, V]: a block drafter's
+    distribution at every position (what a tree verifier builds its tree from), or None.
     """
 
     token_ids: Array
@@ -54,6 +55,7 @@ class Draft:
     candidate_ids: Array | None = None
     confidence: list[float] | None = None
     source: DraftSource = DraftSource.MODEL
+    logits: Array | None = None
 
     @property
     def kind(self) -> ProposalKind:
@@ -72,6 +74,7 @@ class Draft:
             candidate_ids=None if self.candidate_ids is None else self.candidate_ids[:k],
             confidence=None if self.confidence is None else self.confidence[:k],
             source=self.source,
+            logits=None if self.logits is None else self.logits[:k],
         )
 
 
@@ -81,6 +84,8 @@ class Verification:
 
     accepted: int
     token_ids: list[int]  # accepted drafts followed by the correction/bonus token
+    # tree cycles only: the tree nodes of the anchor and the accepted drafts (core/tree.py)
+    path: tuple[int, ...] = ()
 
     @property
     def bonus_token_id(self) -> int:

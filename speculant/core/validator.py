@@ -121,6 +121,7 @@ def validate(config: EngineConfig | dict | str | Path, catalogue: Catalogue) -> 
             add(Problem("target.path", family, "check model_type in the target's config.json, or use a backend "
                         "(or library release) that has this family"))
         _check_rollback(config, target, backend_cls, add)
+        _check_tree(config, target, backend_cls, add)
     _check_sampling(config, add)
 
     if target is not None:
@@ -171,6 +172,14 @@ def _check_rollback(config: EngineConfig, target: TargetInfo, backend_cls, add) 
         add(Problem("target.path", reason,
                     f"use a target family the {config.backend.kind} backend rolls back (or backend.kind = {other!r} "
                     "if it supports this one), or decode plainly (drafter.kind = 'none', no lookup)"))
+
+
+def _check_tree(config: EngineConfig, target: TargetInfo, backend_cls, add) -> None:
+    """The ``tree`` verifier verifies chains on a target whose layers take no tree: say so up front."""
+    reason = backend_cls.tree_problem(target) if config.verifier.resolved_kind == "tree" else None
+    if reason:
+        add(Problem("verifier.kind", f"{reason}; the tree verifier verifies chains on this target",
+                    "use verifier.kind = 'auto' for chains, or a target whose layers take a tree", severity="warning"))
 
 
 def _check_sampling(config: EngineConfig, add) -> None:

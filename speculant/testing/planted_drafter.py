@@ -6,12 +6,17 @@ has blocks rejected at chosen positions, partway and accepted whole, on any targ
 block position (0 = the first proposal) spoiled in each successive cycle, cycling, ``-1`` for none;
 ``default_block_size``. Without a script entry for the prompt it proposes ``anchor + 1, + 2, ...``
 (mostly rejected at position 0). Register it with :func:`registry_with_planted`.
+
+Its drafts also carry per-position logits (what a tree verifier builds trees from): the proposed
+token most likely, and at a spoiled position the right token second, so a tree of width 2 or more
+recovers the planted mistake through a branch that the chain does not have.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculant.core.interfaces import Backend, Drafter, DrafterFactory, TargetModel
@@ -24,6 +29,7 @@ class PlantedOptions(BaseModel):
     script: list[tuple[list[int], list[int]]] = Field(default_factory=list)
     mistakes: list[int] = Field(default_factory=lambda: [-1])
     default_block_size: int = Field(8, ge=2)
+    target_layer_ids: list[int] = Field(default_factory=list)  # target states to capture (tests read them)
 
 
 class PlantedDrafter(Drafter):
@@ -44,6 +50,7 @@ class PlantedDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Draft:
         k = request.num_tokens
+        logits = np.zeros((k, self.vocab), dtype=np.float32)
         if self.continuation is None:
             ids = [(request.anchor_id + 1 + i) % self.vocab for i in range(k)]
         else:
@@ -51,9 +58,11 @@ class PlantedDrafter(Drafter):
             ids = (self.continuation[start : start + k] + [0] * k)[:k]
             spoiled = self.options.mistakes[self.cycle % len(self.options.mistakes)]
             if 0 <= spoiled < k:
+                logits[spoiled, ids[spoiled]] = 3.0
                 ids[spoiled] = (ids[spoiled] + 1) % self.vocab
+        logits[np.arange(k), ids] = 4.0
         self.cycle += 1
-        return Draft(token_ids=self.backend.int_array(ids), num_tokens=k)
+        return Draft(token_ids=self.backend.int_array(ids), num_tokens=k, logits=self.backend.ops.asarray(logits))
 
     def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
         pass
@@ -71,6 +80,7 @@ class PlantedDrafterFactory(DrafterFactory):
             uses_target_embedding=False,
             uses_target_lm_head=False,
             default_block_size=options.default_block_size,
+            target_layer_ids=tuple(options.target_layer_ids),
             trained_block_size=64,
             backends=self.backends,
             vocab_size=target.vocab_size,

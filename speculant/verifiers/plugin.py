@@ -6,6 +6,7 @@ from speculant.plugin_api import hookimpl
 from speculant.verifiers.adaptive import AdaptiveVerifier
 from speculant.verifiers.greedy import GreedyVerifier
 from speculant.verifiers.speculative_sampling import SpeculativeSamplingVerifier
+from speculant.verifiers.tree_verifier import TreeVerifier
 
 
 @hookimpl
@@ -13,3 +14,4 @@ def register_verifiers(register):
     register(GreedyVerifier)
     register(SpeculativeSamplingVerifier)
     register(AdaptiveVerifier)
+    register(TreeVerifier)

@@ -62,6 +62,16 @@ class MLXBackend(Backend):
 
         return rollback_problem(target)
 
+    @classmethod
+    def tree_problem(cls, target: TargetInfo) -> str | None:
+        from speculant.core.tree import layer_kinds_problem
+
+        from speculant.backends.mlx.families import rollback_problem
+
+        # Gated DeltaNet where the target rolls it back (its per-position taps also run trees)
+        gated_deltanet = ("linear_attention",) if rollback_problem(target) is None else ()
+        return layer_kinds_problem(cls.name, target.layer_types, target.model_type, also=gated_deltanet)
+
     @property
     def device(self) -> str:
         return self._device

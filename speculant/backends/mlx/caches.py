@@ -234,6 +234,17 @@ def forget_all(caches: list) -> None:
             c.forget()
 
 
+class _Tree:
+    """The draft tree a forward runs (``parents``, node order), set by ``tree.tree_forward``: the
+    convolution then reads each node's ancestors and the delta rule starts from the parent's state."""
+
+    parents: tuple[int, ...] | None = None
+    conv = None  # tree.tree_conv, set with parents
+
+
+TREE = _Tree()
+
+
 class ConvTap(Wrapper):
     """Calls a DeltaNet's ``conv1d`` and, while recording, keeps its input for layer ``index``."""
 
@@ -246,6 +257,8 @@ class ConvTap(Wrapper):
             rec = _ACTIVE[-1]
             rec.layer = self.index
             rec.caches[self.index].conv_input = x
+        if TREE.parents is not None:
+            return TREE.conv(self.module, x, TREE.parents)
         return self.module(x)
 
 
@@ -255,9 +268,11 @@ def _per_position(original):
         if rec is None or rec.layer is None:
             return original(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
         cache, rec.layer = rec.caches[rec.layer], None
-        ys, states = [], []
+        ys, states, initial, parents = [], [], state, TREE.parents
         for t in range(q.shape[1]):
             step = slice(t, t + 1)
+            if parents is not None:  # a tree node starts from its parent's state
+                state = initial if parents[t] < 0 else states[parents[t]]
             y, state = original(q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias, state,
                                 None if mask is None else mask[:, step], **kwargs)
             ys.append(y)

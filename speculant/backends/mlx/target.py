@@ -21,12 +21,14 @@ import mlx.nn as nn
 from speculant.backends.mlx import compiled, families, layout, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
+from speculant.backends.mlx.tree import commit_path, rope_problem, tree_forward
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.interfaces import TargetModel
 from speculant.core.pre_tokenizer import restore_pre_tokenizer
 from speculant.core.target_check import check_target_files
+from speculant.core.tree import DraftTree
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 PREFILL_STEP = 512  # prompt rows per prefill chunk (bounds activation memory)
@@ -119,6 +121,7 @@ class MLXTarget(TargetModel):
         self._embed_transform = families.embed_transform(model, self._inner)
         self._logit_transform = families.logit_transform(model)
         self._length = 0
+        self._tree: DraftTree | None = None  # the tree of the last forward_tree, until commit_tree
         self._static: static.StaticForward | None = None  # the whole forward compiled (static.py)
         self.cache = self._new_cache()
         setting = getattr(getattr(backend, "config", None), "compile", "auto")
@@ -247,6 +250,31 @@ class MLXTarget(TargetModel):
         out = ForwardOutput(logits=logits, features=features, final_hidden=final)
         _schedule(out)
         return out
+
+    # -- draft trees (tree.py) -------------------------------------------------------------
+    def tree_problem(self) -> str | None:
+        problem = type(self.backend).tree_problem(self.info)
+        if problem is None and self._static is not None:
+            problem = "the whole compiled forward's static cache takes no tree (backend.compile = 'off' verifies trees)"
+        return problem or rope_problem(self.model, self.cache)
+
+    def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
+        """Every node of ``tree`` in one forward: positions and masks from tree.py."""
+        forget_all(self.cache)
+        ids = mx.array(list(tree.tokens), dtype=mx.int32)
+        with tree_forward(self.model, self.cache, tree):
+            logits, features, final = self._run(ids, capture, record=bool(self._delta_layers))
+        self._tree = tree
+        out = ForwardOutput(logits=logits, features=features, final_hidden=final)
+        _schedule(out)
+        return out
+
+    def commit_tree(self, length: int, path) -> None:
+        tree, self._tree = self._tree, None
+        if tree is None or self._length != length + tree.size:
+            raise RuntimeError(f"commit_tree({length}) must follow forward_tree over a cache of {length} positions")
+        commit_path(self.cache, length, tree, path)
+        self._length = length + len(path)
 
     # -- pipelined plain greedy decoding ---------------------------------------------------
     def greedy_steps(self, anchor_id: int) -> Iterator[int]:

@@ -60,6 +60,13 @@ class TorchBackend(Backend):
             f"linear_attention of {', '.join(GATED_DELTANET_FAMILIES)}"
         )
 
+    @classmethod
+    def tree_problem(cls, target: TargetInfo) -> str | None:
+        from speculant.core.tree import layer_kinds_problem
+
+        gated_deltanet = ("linear_attention",) if target.model_type in GATED_DELTANET_FAMILIES else ()
+        return layer_kinds_problem(cls.name, target.layer_types, target.model_type, also=gated_deltanet)
+
     @property
     def device(self) -> str:
         return str(self._device)

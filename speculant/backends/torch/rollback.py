@@ -54,6 +54,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from speculant.backends.torch.tree import active_parents
+
 DELTA_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 _VERIFYING: ContextVar["RollbackCache | None"] = ContextVar("speculant_verifying_cache", default=None)
@@ -219,6 +221,9 @@ def _recording(original: Callable, l2norm: Callable) -> Callable:
         if plain:
             return original(query, key, value, *args, **kwargs)
         record = closed_form_with_states if ROLLBACK.uses_closed_form(query.device) else recurrent_with_states
+        parents = active_parents()
+        if parents is not None:  # a tree forward: each node from its parent's state (tree.py)
+            record = functools.partial(recurrent_with_states, parents=parents)
         out, states = record(
             query, key, value, kwargs["g"], kwargs["beta"], initial_state,
             bool(kwargs.get("use_qk_l2norm_in_kernel")), l2norm,
@@ -246,15 +251,19 @@ def _prepared(query, key, value, g, beta, use_qk_l2norm: bool, l2norm):
     return query / (query.shape[-1] ** 0.5), key, value, g, beta
 
 
-def recurrent_with_states(query, key, value, g, beta, initial_state, use_qk_l2norm: bool, l2norm=None):
+def recurrent_with_states(query, key, value, g, beta, initial_state, use_qk_l2norm: bool, l2norm=None,
+                          parents=None):
     """transformers' ``torch_recurrent_gated_delta_rule``, step for step, also returning the
-    recurrent state after every position (``[batch, v_heads, k_dim, v_dim]`` each)."""
+    recurrent state after every position (``[batch, v_heads, k_dim, v_dim]`` each). With
+    ``parents`` (a draft tree's), position ``i`` starts from its parent's state, not the previous one."""
     dtype = query.dtype
     query, key, value, g, beta = _prepared(query, key, value, g, beta, use_qk_l2norm, l2norm or _l2norm)
-    state = initial_state.to(value)
+    initial = state = initial_state.to(value)
     out = torch.zeros_like(value)
     states = []
     for i in range(query.shape[2]):
+        if parents is not None:
+            state = initial if parents[i] < 0 else states[parents[i]]
         q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
         state = state * g[:, :, i].exp()[..., None, None]
         kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)

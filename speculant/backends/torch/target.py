@@ -14,10 +14,12 @@ from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch import layouts
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
+from speculant.backends.torch.tree import commit_path, install_tree_conv, tree_mask, tree_nodes
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.interfaces import TargetModel
 from speculant.core.pre_tokenizer import restore_pre_tokenizer
 from speculant.core.target_check import check_target_files
+from speculant.core.tree import DraftTree
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 
@@ -83,6 +85,7 @@ class TorchTarget(TargetModel):
         self._cache_cls = RollbackCache
         self.cache = RollbackCache(config=model.config)
         self._recorded_layers = install_recording(model)  # Gated DeltaNet layers whose states a rollback can reach
+        install_tree_conv(model)  # their convolution over a draft tree's ancestors (tree.py)
         _, layers, norm = decoder_parts(model)
         self._recorder = _Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
@@ -95,6 +98,7 @@ class TorchTarget(TargetModel):
         self.layout: str | None = None  # the CPU's linear weights: "packed" (packed.py) or "transposed" (transposed.py)
         self._layout_note = ""  # what was done to them, or why nothing was (for a compiled fast_path)
         self._eager_reason = self._plan_fast_path(getattr(backend.config, "compile", "off"))
+        self._tree: DraftTree | None = None  # the tree of the last forward_tree, until commit_tree
 
     def _plan_fast_path(self, setting: str) -> str:
         """Set up the compiled path where ``backend.compile`` asks for it and the target allows it,
@@ -156,7 +160,7 @@ class TorchTarget(TargetModel):
             self.cache = self._cache_cls(config=self.model.config)
 
     @torch.inference_mode()
-    def _run(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int) -> ForwardOutput:
+    def _run(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int, **tree) -> ForwardOutput:
         self._recorder.start(capture)
         try:
             out = self.model(
@@ -164,6 +168,7 @@ class TorchTarget(TargetModel):
                 **{self._cache_kwarg: self.cache},
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                **tree,
             )
         except BaseException:  # e.g. Ctrl-C inside the forward: stop recording, keep the original error
             self._recorder.finish(Capture())
@@ -248,6 +253,32 @@ class TorchTarget(TargetModel):
         with self.cache.verifying():
             self.cache.block_length += int(token_ids.shape[0])
             return self._run(token_ids, capture, logits_to_keep=0)
+
+    def tree_problem(self) -> str | None:
+        problem = type(self.backend).tree_problem(self.info)
+        linear = [i for i, kind in enumerate(self.info.layer_types) if kind == "linear_attention"]
+        if problem is None and not set(linear) <= self._recorded_layers:
+            problem = f"linear_attention layers {sorted(set(linear) - self._recorded_layers)} run a delta rule speculant does not reach"
+        if problem is None and self._steps is not None:
+            problem = "the compiled path's static cache takes no tree (backend.compile = 'off' verifies trees)"
+        return problem
+
+    def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
+        """Every node of ``tree`` in one forward (tree.py: positions, the ancestor-only mask)."""
+        device = self.model.device
+        mask = tree_mask(self.cache, tree, self.model.dtype, device)
+        positions = torch.tensor([tree.positions(self.cache_length)], device=device)
+        self._tree = tree
+        with self.cache.verifying(), tree_nodes(tree):
+            self.cache.block_length += tree.size
+            ids = self.backend.int_array(tree.tokens)
+            return self._run(ids, capture, 0, attention_mask=mask, position_ids=positions)
+
+    def commit_tree(self, length: int, path) -> None:
+        tree, self._tree = self._tree, None
+        if tree is None or self.cache_length != length + tree.size:
+            raise RuntimeError(f"commit_tree({length}) must follow forward_tree over a cache of {length} positions")
+        commit_path(self.cache, tree, path)
 
     def greedy_steps(self, anchor_id: int) -> Iterator[int] | None:
         """Plain greedy decoding on the compiled path: the width-1 graph's argmax stays on the

@@ -131,9 +131,10 @@ class DFlashDrafter(Drafter):
         return logits
 
     def propose(self, request: DraftRequest, anchor: Array | None = None) -> Draft:
-        tokens = self.ops.argmax(self.logits(self.hidden(request, anchor)))
+        logits = self.logits(self.hidden(request, anchor))
+        tokens = self.ops.argmax(logits)
         self.net.launch(tokens)
-        return Draft(token_ids=tokens, num_tokens=request.num_tokens)
+        return Draft(token_ids=tokens, num_tokens=request.num_tokens, logits=logits)
 
     def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:
         self._before_ahead = (list(self.pending), self.context_length, self.net.cache.mark())

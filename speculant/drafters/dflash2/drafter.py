@@ -40,10 +40,11 @@ class DFlash2Drafter(DFlashDrafter):
     def propose(self, request: DraftRequest) -> Draft:
         k = request.num_tokens
         hidden = self.hidden(request)
-        flat, candidates = self.net.score_table(hidden, self.logits(hidden), request.anchor_id)
+        logits = self.logits(hidden)
+        flat, candidates = self.net.score_table(hidden, logits, request.anchor_id)
         path = walk(ScoreTable.from_flat(flat, k, self.cfg.selector_top_k), request.sampling, request.rng)
         tokens = self.backend.int_array(path.token_ids)
         if path.q is None:
-            return Draft(tokens, k, confidence=path.confidence)
+            return Draft(tokens, k, confidence=path.confidence, logits=logits)
         return Draft(tokens, k, draft_probs=self.ops.asarray(path.q), candidate_ids=candidates,
-                     confidence=path.confidence)
+                     confidence=path.confidence, logits=logits)

@@ -1,0 +1,148 @@
+"""Tree verify forwards over an MLX target's caches (docs/tree-verification.md).
+
+mlx-lm's attention reads neither positions nor a mask from its caller: it rotates a block at
+``cache.offset, offset + 1, ...`` and asks the cache for its mask. During one tree forward,
+:func:`tree_forward` therefore (1) has every attention cache answer ``make_mask`` with the tree's
+visibility (``DraftTree.visibility``: the cached rows the layer returns, then ancestors only) and
+(2) swaps each attention's ``rope`` for :class:`TreeRope`, which rotates the nodes of depth ``d``
+at ``offset + d``. Both are undone when the forward returns. :func:`commit_path` then moves the
+accepted path's rows to the positions after the prefix, in full (``KVCache``) and sliding
+(``WindowKVCache``) caches alike.
+
+Gated DeltaNet layers (``DeltaCache``): with ``caches.TREE`` set, the tapped convolution computes
+each node from its ancestors' inputs (then the cached window) (:func:`tree_conv`) and the
+per-position delta rule starts each node from its parent's state; the commit keeps the cached
+window plus the path's inputs and the state of the path's last node.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from speculant.backends.mlx import caches as cache_kinds
+from speculant.backends.mlx.caches import DeltaCache, WindowKVCache
+from speculant.backends.mlx.wrapper import Wrapper
+from speculant.core.tree import DraftTree, kept_rows
+
+
+class TreeRope(Wrapper):
+    """The wrapped rotary embedding applied per tree depth: nodes of depth ``d`` at ``offset + d``."""
+
+    def __init__(self, module: nn.Module, depths: Sequence[int]) -> None:
+        super().__init__(module)
+        self.groups = {}
+        for node, depth in enumerate(depths):
+            self.groups.setdefault(depth, []).append(node)
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        out = [None] * x.shape[-2]
+        for depth, nodes in self.groups.items():
+            rows = mx.take(x, mx.array(nodes), axis=-2)  # [B, H, n, D]: one position for all of them
+            moved = mx.swapaxes(rows, 0, -2)  # the nodes as the batch, each a one-row sequence
+            turned = mx.swapaxes(self.module(moved, offset=offset + depth), 0, -2)
+            for i, node in enumerate(nodes):
+                out[node] = turned[..., i:i + 1, :]
+        return mx.concatenate(out, axis=-2)
+
+
+def _attentions(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if isinstance(m.get("rope") if hasattr(m, "get") else None, nn.Module)]
+
+
+def rope_problem(model: nn.Module, caches: list) -> str | None:
+    """Why tree positions cannot be placed in ``model``: every attention cache needs one attention
+    module whose rotary embedding is its ``rope`` (what :class:`TreeRope` replaces), or one that
+    says it has none (``use_rope = False``: Muse Glimmer's full layers read no positions)."""
+    without = sum(1 for _, m in model.named_modules() if getattr(m, "use_rope", None) is False)
+    attentions = len(_attentions(model)) + without
+    kv = sum(1 for c in caches if hasattr(c, "keys"))
+    if attentions == kv:
+        return None
+    return (f"{attentions} attention modules hold a `rope` for {kv} attention caches, so tree positions "
+            "(prefix + depth) cannot be placed in this model's attention")
+
+
+@contextmanager
+def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[None]:
+    """Within: forwards of ``model`` over ``caches`` run ``tree``'s nodes (positions and masks)."""
+    attentions = _attentions(model)
+    ropes = [a["rope"] for a in attentions]
+    for a, rope in zip(attentions, ropes):
+        a.rope = TreeRope(rope, tree.depths)
+    attention_caches = [c for c in caches if not isinstance(c, DeltaCache)]
+    for c in attention_caches:
+        c.make_mask = _mask_of(c, tree)
+    cache_kinds.TREE.parents, cache_kinds.TREE.conv = tree.parents, tree_conv
+    try:
+        yield
+    finally:
+        cache_kinds.TREE.parents = cache_kinds.TREE.conv = None
+        for a, rope in zip(attentions, ropes):
+            a.rope = rope
+        for c in attention_caches:
+            del c.make_mask
+
+
+def _mask_of(cache, tree: DraftTree):
+    sliding = isinstance(cache, WindowKVCache)
+    cached = cache._kept() if sliding else int(cache.offset)
+    mask = mx.array(tree.visibility(cached, cache.window if sliding else None))
+
+    def make_mask(N: int, *args, **kwargs) -> mx.array:
+        return mask
+
+    return make_mask
+
+
+def commit_path(caches: list, length: int, tree: DraftTree, path: Sequence[int]) -> None:
+    """Keep each cache's rows before ``length`` and then the rows of the nodes ``path``."""
+    rows = kept_rows(tree, path)
+    for c in caches:
+        if isinstance(c, DeltaCache):
+            _commit_delta(c, tree.size, rows)
+            continue
+        base = length - getattr(c, "start", 0)  # buffer row of the root (sliding buffers start later)
+        index = mx.array([base + r for r in rows])
+        c.keys[..., base:base + len(rows), :] = mx.take(c.keys, index, axis=2)
+        c.values[..., base:base + len(rows), :] = mx.take(c.values, index, axis=2)
+        c.offset = length + len(rows)
+
+
+def _commit_delta(cache: DeltaCache, width: int, rows: list[int]) -> None:
+    """The convolution window after the path's inputs; the recurrent state of its last node."""
+    if cache.conv_input is None or len(cache.states) != width:
+        raise RuntimeError("a Gated DeltaNet layer recorded no per-node states for the tree just verified")
+    cached = cache.conv_input.shape[1] - width  # kernel - 1
+    inputs = mx.concatenate([cache.conv_input[:, :cached], mx.take(cache.conv_input, mx.array([cached + r for r in rows]),
+                                                                    axis=1)], axis=1)
+    cache[0] = mx.contiguous(inputs[:, -cached:, :])
+    cache[1] = cache.states[rows[-1]]
+    cache.forget()
+
+
+def tree_conv(conv: nn.Module, x: mx.array, parents: Sequence[int]) -> mx.array:
+    """A depthwise ``conv`` (mlx ``Conv1d``, no padding) over ``x`` [B, kernel - 1 + T, C] whose last
+    T rows are tree nodes: node ``i``'s window is its ancestors' rows, then the cached rows."""
+    weight = conv.weight  # [C, kernel, 1]
+    kernel, nodes = int(weight.shape[1]), len(parents)
+    cached = int(x.shape[1]) - nodes
+    windows = []
+    for i in range(nodes):
+        column, back, node = [], 0, i
+        while len(column) < kernel:
+            if node >= 0:
+                column.append(cached + node)
+                node = parents[node]
+            else:
+                back += 1
+                column.append(cached - back)
+        windows.append(column[::-1])  # oldest first, as the kernel's taps
+    gathered = mx.take(x, mx.array(windows), axis=1)  # [B, T, kernel, C]
+    out = (gathered * mx.transpose(weight[:, :, 0])).sum(axis=2)
+    if "bias" in conv:
+        out = out + conv.bias
+    return out

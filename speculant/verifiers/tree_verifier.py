@@ -1,0 +1,161 @@
+"""The ``tree`` verifier: DDTree trees from a block drafter's per-position distributions, verified
+by sample and match (exact at every temperature); chains where no tree can be built."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from speculant.core.arrays import Array, ArrayOps
+from speculant.core.interfaces import Verifier
+from speculant.core.schema import COUNT_MAX, UserModel
+from speculant.core.tree import DraftTree
+from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
+from speculant.verifiers.acceptance import speculative_verify
+from speculant.verifiers.tree import build_tree, top_candidates, tree_verify
+
+
+class TreeOptions(UserModel):
+    """``verifier.options`` of the ``tree`` verifier."""
+
+    budget: int = Field(16, ge=1, le=1024, description="drafted nodes per tree (B), the root not counted")
+    width: int = Field(4, ge=1, le=64, description="most candidates per depth (K): the draft's K most probable tokens")
+    choose: Literal["always", "measured"] = Field(
+        "always", description="verify a tree every drafted cycle, or whichever of tree and chain has emitted more "
+        "tokens per second of target and draft time so far (timed cycles, each tried now and then)")
+    explore_every: int = Field(16, ge=2, le=COUNT_MAX, description="with choose = measured, every n-th drafted cycle "
+                               "runs the kind measured slower, so its cost stays known")
+
+
+class TreeVerifier(Verifier):
+    """Verify a tree of the ``budget`` most probable draft prefixes in one target forward.
+
+    Drafts without per-position distributions (prompt-lookup copies, drafters that offer none)
+    and targets that cannot take a tree are verified as chains by speculative sampling."""
+
+    name = "tree"
+    accepts = (ProposalKind.ONE_HOT, ProposalKind.DENSE, ProposalKind.SPARSE)
+    supports_sampling = True
+    options_model = TreeOptions
+    allows_draft_ahead = False  # the next tree depends on which path this one accepts
+    builds_trees = True
+
+    def __init__(self, options: dict | None = None) -> None:
+        super().__init__(options)
+        settings = TreeOptions(**self.options)
+        self.budget, self.width = settings.budget, settings.width
+        self.fallback: str | None = None
+        self._stats = TreeStats()
+        self.choice = CostChoice(settings.explore_every) if settings.choose == "measured" else None
+        self.needs_timings = self.choice is not None  # the choice compares measured seconds
+
+    def begin(self, context_length: int) -> None:
+        self._stats = TreeStats()  # the statistics are each request's own
+
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+        if self.fallback is not None or draft.logits is None or draft.num_tokens < 1:
+            return None
+        if self.choice is not None and self.choice.next() == "chain":
+            return None
+        top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], self.width)
+        return build_tree(anchor_id, top_ids, top_logprobs, self.budget)
+
+    def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
+               rng: Any) -> Verification:
+        return speculative_verify(ops, draft, target_logits, sampling, rng)
+
+    def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
+                    rng: Any) -> Verification:
+        verification = tree_verify(ops, tree, target_logits, sampling, rng)
+        self._stats.record(tree, verification.path)
+        return verification
+
+    def tree_refused(self, reason: str) -> None:
+        self.fallback = reason
+
+    def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
+        if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP):
+            return
+        kind = "tree" if verification.path else "chain"
+        if kind == "chain":
+            self._stats.chain_cycles += 1
+        if self.choice is not None and timing is not None:
+            self.choice.record(kind, len(verification.token_ids), timing.target_s + timing.draft_s + timing.commit_s)
+
+    def decisions(self) -> dict:
+        record = {"budget": self.budget, "width": self.width, **self._stats.as_dict()}
+        if self.fallback is not None:
+            record["fallback"] = f"chains: {self.fallback}"
+        if self.choice is not None:
+            record["choice"] = self.choice.as_dict()
+        return record
+
+
+class CostChoice:
+    """Tree or chain for the next drafted cycle, from the tokens each has emitted per second
+    (exponential moving averages over this engine's requests): each kind first runs ``WARMUP``
+    times, then the faster one runs, and the slower one every ``explore_every``-th cycle."""
+
+    WARMUP = 3
+    ALPHA = 0.2  # weight of a new measurement
+
+    def __init__(self, explore_every: int) -> None:
+        self.explore_every = explore_every
+        self.rate: dict[str, float | None] = {"tree": None, "chain": None}
+        self.measured = {"tree": 0, "chain": 0}
+        self.chosen = {"tree": 0, "chain": 0}
+        self.cycles = 0
+
+    def next(self) -> str:
+        self.cycles += 1
+        kind = next((k for k in ("tree", "chain") if self.measured[k] < self.WARMUP), None)
+        if kind is None:
+            faster = "tree" if self.rate["tree"] >= self.rate["chain"] else "chain"
+            slower = "chain" if faster == "tree" else "tree"
+            kind = slower if self.cycles % self.explore_every == 0 else faster
+        self.chosen[kind] += 1
+        return kind
+
+    def record(self, kind: str, emitted: int, seconds: float) -> None:
+        if seconds <= 0.0:
+            return
+        rate, old = emitted / seconds, self.rate[kind]
+        self.rate[kind] = rate if old is None else old + self.ALPHA * (rate - old)
+        self.measured[kind] += 1
+
+    def as_dict(self) -> dict:
+        return {"tokens_per_s": dict(self.rate), "chosen": dict(self.chosen)}
+
+
+class TreeStats:
+    """Per request: nodes verified, the accepted depth of every tree, and at each depth how often the
+    accepted node was not its parent's first child (a branch the chain would not have had)."""
+
+    def __init__(self) -> None:
+        self.trees = 0
+        self.chain_cycles = 0
+        self.nodes_verified = 0
+        self.accepted_depths: list[int] = []
+        self.branch_used_per_depth: list[int] = []
+
+    def record(self, tree: DraftTree, path: tuple[int, ...]) -> None:
+        self.trees += 1
+        self.nodes_verified += tree.size
+        self.accepted_depths.append(len(path) - 1)
+        children = tree.children()
+        for depth, (parent, node) in enumerate(zip(path, path[1:]), start=1):
+            while len(self.branch_used_per_depth) < depth:
+                self.branch_used_per_depth.append(0)
+            first_child = min(children[parent].values())
+            self.branch_used_per_depth[depth - 1] += int(node != first_child)
+
+    def as_dict(self) -> dict:
+        depths = self.accepted_depths
+        return {
+            "trees": self.trees,
+            "chain_cycles": self.chain_cycles,
+            "nodes_verified": self.nodes_verified,
+            "mean_accepted_depth": sum(depths) / len(depths) if depths else 0.0,
+            "branch_used_per_depth": list(self.branch_used_per_depth),
+        }
