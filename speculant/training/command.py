@@ -32,8 +32,7 @@ def add_parser(sub) -> None:
                       help="the target's dtype while answering (bfloat16 is ~2x faster on CPUs with avx512_bf16)")
     data.add_argument("--max-batches", type=int, help="stop this run after this many new batches (rerun to continue)")
     data.add_argument("--max-seconds", type=float, help="stop this run after the batch that passes this time (rerun to continue)")
-    data.add_argument("--sampled-rounds", type=int, default=0, metavar="N",
-                      help="after the greedy answers, answer every prompt N more times by sampling (more varied data)")
+    data.add_argument("--sampled-rounds", type=int, default=0, metavar="N", help="then N more sampled answers per prompt")
     data.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled rounds")
     data.set_defaults(func=cmd_data)
 
@@ -151,9 +150,7 @@ def _loop_flags(parser, steps: int, lr: float) -> None:
     parser.add_argument("--fp32", action="store_true", help="train in float32 instead of bf16 autocast")
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--stop-at", type=int, help="stop this run at this step (resumable), keeping the schedule")
-    parser.add_argument("--time-budget", type=float, metavar="SECONDS",
-                        help="lower --steps to what fits in this many seconds, timed on the first batches "
-                             "(training.json records the steps chosen)")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS", help="lower --steps to what fits (timed first)")
 
 
 def _settings(args):
@@ -184,11 +181,9 @@ def cmd_tokenizer(args) -> int:
 def cmd_data(args) -> int:
     from speculant.training.data import DataSettings, generate_data
 
-    manifest = generate_data(DataSettings(target=args.target, out=args.out, prompts=args.prompts, held_out=args.held_out,
-                                          seed=args.seed, batch=args.batch, max_new_tokens=args.max_new_tokens,
-                                          dtype=args.dtype, max_batches=args.max_batches,
-                                          max_seconds=args.max_seconds, sampled_rounds=args.sampled_rounds,
-                                          temperature=args.temperature),
+    flags = ("prompts", "held_out", "seed", "batch", "max_new_tokens", "dtype", "max_batches", "max_seconds",
+             "sampled_rounds", "temperature")
+    manifest = generate_data(DataSettings(target=args.target, out=args.out, **{k: getattr(args, k) for k in flags}),
                              command=["speculant", *sys.argv[1:]])
     print(f"{args.out}: {manifest['answers']} answers ({manifest['answer_tokens']:,} tokens) of "
           f"{manifest['train_prompts']} training prompts; {manifest['held_out_prompts']} held out")
