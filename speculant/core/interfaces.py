@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
+    from speculant.core.prefix_cache import CacheSnapshot
     from speculant.core.problems import Problem
 
 
@@ -80,6 +81,16 @@ class TargetModel(ABC):
     @abstractmethod
     def crop(self, length: int) -> None:
         """Roll the KV cache back to its first ``length`` positions."""
+
+    def snapshot(self) -> "CacheSnapshot | None":
+        """A copy of the caches as they stand (``cache_length`` positions), for the prefix store;
+        None (the default) when this target cannot take one."""
+        return None
+
+    def restore(self, snapshot: "CacheSnapshot", length: int) -> bool:
+        """Replace the caches with a copy of ``snapshot``'s, cut to ``length`` positions (only a
+        ``cuttable`` snapshot is cut); False (the default) when this target cannot."""
+        return False
 
     def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
         """Build the compiled forwards of every verify width up to ``block_size`` (with ``capture``)

@@ -16,6 +16,7 @@ import numpy as np
 from speculant.core.config import GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError
 from speculant.core.metrics import GenerationStats, target_name
+from speculant.core.prefix_request import PrefixRequest
 from speculant.core.types import Capture, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Loop:
         self._ahead: Draft | None = None  # the next cycle's draft, made before this one's verification
         self._ahead_anchor = None
         self._last_whole = True  # the last verified draft was accepted whole
+        self.prefix = PrefixRequest(engine, prompt_ids, self.capture)
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
@@ -86,7 +88,9 @@ class Loop:
             e.backend.reset_peak_memory()
             e.target.reset()
             e.verifier.begin(len(self.prompt_ids))
-            out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids, self.capture), "target_s")
+            start = self.stats.cached_tokens = self.prefix.restore()
+            out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids[start:], self.capture), "target_s")
+            out = self.prefix.joined(out)
             first = self._verify(None, out.logits[-1:]).token_ids
             self._t_first = time.perf_counter()
             if self.speculating:
@@ -160,6 +164,7 @@ class Loop:
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
         e.target.crop(position + accepted + 1)
+        self.prefix.committed(out, accepted + 1)
         if n > 0:
             self._last_whole = accepted == n
         commit_s = 0.0
@@ -261,3 +266,4 @@ class Loop:
         s.draft_fast_path = None if self.e.drafter is None else self.e.drafter.fast_path
         s.dtype, s.dtype_reason = self.e.backend.dtype_name, self.e.backend.dtype_reason
         s.target = target_name(self.e.target.info.path)
+        self.prefix.finished(self.produced, s.stop_reason)

@@ -24,12 +24,14 @@ PUBLIC_FIELDS = (
     "dtype",
     "dtype_reason",
     "target",
+    "cached_tokens",
 )
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache, not prefilled
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -118,11 +120,14 @@ class GenerationStats:
         return (
             f"{self.new_tokens} tokens, TTFT {self.ttft_s * 1000:.0f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
             f"decode {self.decode_tokens_per_s:.1f} tok/s{tau}, {self.verify_steps} verify steps{self._lookup_text()}, "
-            f"stop: {self.stop_reason}{self._dtype_text()}"
+            f"stop: {self.stop_reason}{self._dtype_text()}{self._cached_text()}"
         )
 
     def _dtype_text(self) -> str:
         return f", dtype {self.dtype} ({self.dtype_reason})" if self.dtype else ""
+
+    def _cached_text(self) -> str:
+        return f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache" if self.cached_tokens else ""
 
     def _lookup_text(self) -> str:
         if not self.lookup_steps:

@@ -11,7 +11,7 @@ import torch
 
 from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, StaticKV, compile_problem, static_rows, wants_compile
 from speculant.backends.torch.loading import logit_transform
-from speculant.backends.torch import layouts
+from speculant.backends.torch import layouts, prefix
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
 from speculant.core.checkpoint import tokenizer_errors
@@ -269,6 +269,16 @@ class TorchTarget(TargetModel):
 
     def _argmax_step(self, token: torch.Tensor) -> torch.Tensor:
         return torch.argmax(self.forward(token).logits[-1:], dim=-1)
+
+    def snapshot(self):
+        """The eager cache's copy (prefix.py); None on the compiled path's static cache."""
+        return None if self._on_static else prefix.snapshot_cache(self.cache, self.cache_length)
+
+    def restore(self, snapshot, length: int) -> bool:
+        if self._on_static:
+            return False
+        self.cache = prefix.restored_cache(snapshot, length)  # outside inference mode, as reset() builds it
+        return True
 
     @torch.inference_mode()
     def crop(self, length: int) -> None:

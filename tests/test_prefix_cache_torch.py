@@ -1,0 +1,210 @@
+"""The prefix cache on PyTorch: a request resumed from a stored prefix gives a cold request's
+tokens, on every cache kind, and the checks fail when a restored cache is wrong.
+
+Targets (``build_tiny_family``, sliding window 16): Llama (full attention only, so a snapshot is
+cut at any token), Gemma 3 (sliding windows) and Qwen3.5 (Gated DeltaNet 3 : 1), whose snapshots
+are restored only at the length they were taken at. A planted drafter proposes the cold
+continuation with mistakes at chosen block positions, so after the restore blocks are rejected at
+position 0 and partway, rolled back and extended. DFlash (its pending context features) and MTP
+(its cache, rebuilt from the stored final hidden states) resume their drafts exactly: the same
+acceptance per cycle as cold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculant.api import load_engine  # noqa: E402
+from speculant.backends.torch import prefix  # noqa: E402
+from speculant.core.prefix_cache import PrefixStore  # noqa: E402
+from speculant.core.types import Capture  # noqa: E402
+from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
+from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
+
+NEW = 64
+BLOCK = 8
+BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+FAMILIES = ("llama", "gemma3_text", "qwen3_5")
+MISTAKES = [0, 3, -1, 1, 5, -1, 2]
+TAIL = [7, 8, 9, 10, 11, 12, 13, 14, 15]
+# (prefix length, tail length): the prefix ends inside the second sliding window, exactly at a
+# block (and window) boundary, and one token short of the prompt
+CASES = {"inside a window": (40, 8), "at a block boundary": (48, 8), "one token short": (40, 1)}
+
+
+def prefix_of(length: int) -> list[int]:
+    return list(range(20, 20 + length))
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, torch_threads):
+    root, built = tmp_path_factory.mktemp("prefix_families"), {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tiny_family(root / name, name)
+        return built[name]
+
+    return get
+
+
+def planted(path, script=(), **extra):
+    drafter = {"kind": "planted", "options": {"script": list(script), "mistakes": MISTAKES}, "block_size": BLOCK}
+    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter, **extra}
+    return load_engine(config, registry=registry_with_planted())
+
+
+def run(engine, ids, new=NEW):
+    return engine.run(prompt_ids=ids, max_new_tokens=new, ignore_eos=True)
+
+
+def cold(engine, ids):
+    engine.prefix_store.clear()
+    result = run(engine, ids)
+    assert result.stats.cached_tokens == 0
+    engine.prefix_store.clear()
+    return result
+
+
+def run_recorded(engine, ids):
+    """``(result, kinds of rollback seen)``: after each forward, how many of its rows were cropped."""
+    target, cycles = engine.target, []
+    forward, crop = target.forward, target.crop
+
+    def recording_forward(token_ids, capture=Capture()):
+        cycles.append([int(token_ids.shape[0]), target.cache_length + 0])
+        return forward(token_ids, capture)
+
+    def recording_crop(length):
+        if cycles and len(cycles[-1]) == 2:
+            cycles[-1].append(cycles[-1][1] + cycles[-1][0] - length)
+        crop(length)
+
+    target.forward, target.crop = recording_forward, recording_crop
+    try:
+        result = run(engine, ids)
+    finally:
+        del target.forward, target.crop
+    seen = {"whole" if removed == 0 else "position 0" if removed == width - 1 else "partway"
+            for width, _, removed in cycles if width >= 2}
+    return result, seen
+
+
+@pytest.fixture(scope="module")
+def engines(family):
+    """Per family: a planted engine scripted with every case's cold continuation, and those."""
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            path = family(name)
+            plain = planted(path, prefix_cache={"max_bytes": 0})
+            prompts = [prefix_of(n) + TAIL[:t] for n, t in CASES.values()]
+            expected = {tuple(p): run(plain, p).token_ids for p in prompts}
+            done[name] = planted(path, script=expected.items()), expected
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_resumed_request_gives_the_cold_tokens_through_rollbacks(engines, name, case):
+    engine, expected = engines(name)
+    length, tail = CASES[case]
+    prompt = prefix_of(length) + TAIL[:tail]
+    assert cold(engine, prompt).token_ids == expected[tuple(prompt)]
+    run(engine, prefix_of(length), new=1)  # stores the prefix
+    result, seen = run_recorded(engine, prompt)
+    assert result.stats.cached_tokens == length
+    assert result.token_ids == expected[tuple(prompt)], f"{name}, {case}"
+    assert {"position 0", "partway"} <= seen  # restored, then rolled back by rejected blocks, then extended
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_next_turn_resumes_where_the_last_output_ended(family, name):
+    """The second turn's prompt is the first's, its output and a new part: it resumes from the
+    snapshot stored when the first request ended (after its rollbacks), and gives cold tokens."""
+    engine = planted(family(name))
+    first = run(engine, prefix_of(40), new=24)
+    turn = prefix_of(40) + first.token_ids + TAIL
+    want = cold(engine, turn).token_ids
+    run(engine, prefix_of(40), new=24)
+    result = run(engine, turn)
+    assert result.stats.cached_tokens == 40 + 24 - 1  # the last output token was never run through the target
+    assert result.token_ids == want
+
+
+def corrupt_one_tensor(cache) -> None:
+    """Change one restored tensor of the first layer: a full or sliding attention layer's keys,
+    a Gated DeltaNet layer's recurrent state."""
+    layer = cache.layers[0]
+    if getattr(layer, "recurrent_states", None):
+        layer.recurrent_states[0] = layer.recurrent_states[0] + 0.5
+    else:
+        layer.keys = layer.keys + 0.5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_equality_check_fails_when_a_restored_cache_is_wrong(engines, name, monkeypatch):
+    engine, expected = engines(name)
+    length, tail = CASES["inside a window"]
+    prompt = prefix_of(length) + TAIL[:tail]
+    restored = prefix.restored_cache
+
+    def corrupted(snapshot, at):
+        cache = restored(snapshot, at)
+        corrupt_one_tensor(cache)
+        return cache
+
+    engine.prefix_store.clear()
+    run(engine, prefix_of(length), new=1)
+    monkeypatch.setattr(prefix, "restored_cache", corrupted)
+    result = run(engine, prompt)
+    assert result.stats.cached_tokens == length
+    assert result.token_ids != expected[tuple(prompt)]
+
+
+def test_eviction_under_a_tiny_budget_keeps_outputs_cold(engines):
+    engine, expected = engines("gemma3_text")
+    prompt = prefix_of(40) + TAIL[:8]
+    engine.prefix_store.clear()
+    run(engine, prefix_of(40), new=1)
+    one = engine.prefix_store.bytes
+    assert len(engine.prefix_store) == 1
+    engine.prefix_store = PrefixStore(one + one // 2)  # room for one snapshot
+    try:
+        run(engine, prefix_of(40), new=1)
+        run(engine, list(range(100, 140)), new=1)  # as large: evicts the first
+        store = engine.prefix_store
+        assert store.stats.evicted >= 1 and store.bytes <= store.max_bytes and len(store) == 1
+        result = run(engine, prompt)
+        assert result.stats.cached_tokens == 0 and result.token_ids == expected[tuple(prompt)]
+    finally:
+        engine.prefix_store = PrefixStore(engine.config.prefix_cache.max_bytes)
+
+
+def test_other_targets_and_dtypes_never_share_entries(family):
+    llama = planted(family("llama"))
+    others = [planted(family("gemma3_text")), planted(family("llama"), backend={**BACKEND, "dtype": "bfloat16"})]
+    for other in others:
+        other.prefix_store = llama.prefix_store
+    run(llama, prefix_of(40), new=1)
+    assert run(llama, prefix_of(41), new=2).stats.cached_tokens == 40
+    for other in others:
+        assert run(other, prefix_of(41), new=2).stats.cached_tokens == 0
+
+
+def test_full_attention_snapshots_are_cut_at_any_token(engines):
+    """Llama's snapshot of a longer prompt serves a prompt that diverges inside it (cut at the
+    divergence) and the same prompt again (cut one token short): cold tokens both times."""
+    engine, expected = engines("llama")
+    prompt = prefix_of(48) + TAIL[:8]
+    engine.prefix_store.clear()
+    run(engine, prefix_of(52), new=1)  # shares 48 tokens with the prompt
+    result, seen = run_recorded(engine, prompt)
+    assert result.stats.cached_tokens == 48 and result.token_ids == expected[tuple(prompt)]
+    result = run(engine, prompt)  # its own snapshot, cut one token short
+    assert result.stats.cached_tokens == len(prompt) - 1 and result.token_ids == expected[tuple(prompt)]
