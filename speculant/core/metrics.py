@@ -32,6 +32,7 @@ PUBLIC_FIELDS = (
 class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache, not prefilled
+    prefix_cache_bytes: int = 0  # what the engine's prefix cache held when the request ended
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
