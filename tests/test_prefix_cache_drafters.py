@@ -1,9 +1,12 @@
-"""Drafters resumed from the prefix cache: DFlash and DFlash2 take the stored context features of
+"""Drafters resumed from the prefix cache, on PyTorch and MLX: DFlash and DFlash2 take the stored context features of
 the prefix (their pending rows), MTP rebuilds its cache from the stored final hidden states. A
 resumed request drafts exactly as a cold one (the same acceptance length every cycle, drafts both
 accepted and rejected) from the rows a cold prefill gives, and gives the cold tokens."""
 
 from __future__ import annotations
+
+import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -19,7 +22,9 @@ from speculant.testing.tiny_mtp import build_bigram_target  # noqa: E402
 from speculant.testing.tiny_mtp_families import build_family_mtp  # noqa: E402
 
 NEW = 64
-BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
+BACKENDS = ["torch", pytest.param("mlx", marks=[pytest.mark.mlx,
+                                                 pytest.mark.skipif(not HAS_MLX, reason="needs mlx and mlx-lm")])]
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +54,18 @@ def record_prefill(drafter) -> list:
     seen, prefill = [], drafter.prefill
 
     def recording(prompt_ids, output, first_token_id):
-        seen.append([None if a is None else a.clone() for a in (output.features, output.final_hidden)])
+        seen.append([None if a is None else copy.deepcopy(a) for a in (output.features, output.final_hidden)])
         return prefill(prompt_ids, output, first_token_id)
 
     drafter.prefill = recording
     return seen
 
 
-def resumed_and_cold(pairs, kind):
+def resumed_and_cold(pairs, kind, backend):
     """(resumed result, cold result, largest difference between the rows their drafters started from)."""
     target, drafter, prompt = pairs[kind]
-    engine = speculant.load_engine({"backend": BACKEND, "target": {"path": str(target)}, "drafter": drafter})
+    config = {"kind": backend, "device": "cpu", "dtype": "float32"}
+    engine = speculant.load_engine({"backend": config, "target": {"path": str(target)}, "drafter": drafter})
     rows = record_prefill(engine.drafter)
     block = {} if kind == "mtp" else {"block_size": 8}
     longer = prompt + [3, 4, 5, 6]
@@ -74,8 +80,9 @@ def resumed_and_cold(pairs, kind):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "mtp"])
-def test_a_resumed_drafter_drafts_as_a_cold_one(pairs, kind):
-    resumed, cold, worst = resumed_and_cold(pairs, kind)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resumed_drafter_drafts_as_a_cold_one(pairs, kind, backend):
+    resumed, cold, worst = resumed_and_cold(pairs, kind, backend)
     assert worst < 1e-4  # rounding only: the drafter starts from the cold prefill's rows, the prefix's from the store
     assert resumed.token_ids == cold.token_ids
     lengths = cold.stats.acceptance_lengths
@@ -84,7 +91,8 @@ def test_a_resumed_drafter_drafts_as_a_cold_one(pairs, kind):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "mtp"])
-def test_the_drafting_check_fails_without_the_prefix_rows(pairs, kind, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_drafting_check_fails_without_the_prefix_rows(pairs, kind, backend, monkeypatch):
     """The drafter handed zeros for the prefix's rows: the check above sees it."""
     joined = prefix_request._joined
 
@@ -92,6 +100,6 @@ def test_the_drafting_check_fails_without_the_prefix_rows(pairs, kind, monkeypat
         return joined(ops, None if prefix is None else prefix * 0, rest)
 
     monkeypatch.setattr(prefix_request, "_joined", zeroed_prefix)
-    resumed, cold, worst = resumed_and_cold(pairs, kind)
+    resumed, cold, worst = resumed_and_cold(pairs, kind, backend)
     assert worst > 1e-2
     assert resumed.token_ids == cold.token_ids  # lossless all the same

@@ -1,5 +1,6 @@
-"""The prefix cache on PyTorch: a request resumed from a stored prefix gives a cold request's
-tokens, on every cache kind, and the checks fail when a restored cache is wrong.
+"""The prefix cache on PyTorch and MLX (eager, and MLX's compiled whole forwards over static
+buffers): a request resumed from a stored prefix gives a cold request's tokens, on every cache
+kind, and the checks fail when a restored cache is wrong.
 
 Targets (``build_tiny_family``, sliding window 16): Llama (full attention only, so a snapshot is
 cut at any token), Gemma 3 (sliding windows) and Qwen3.5 (Gated DeltaNet 3 : 1), whose snapshots
@@ -12,12 +13,13 @@ acceptance per cycle as cold.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from speculant.api import load_engine  # noqa: E402
-from speculant.backends.torch import prefix  # noqa: E402
 from speculant.core.prefix_cache import PrefixStore  # noqa: E402
 from speculant.core.types import Capture  # noqa: E402
 from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
@@ -26,6 +28,14 @@ from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 NEW = 64
 BLOCK = 8
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
+_MLX = pytest.mark.skipif(not HAS_MLX, reason="needs mlx and mlx-lm")
+BACKENDS = {
+    "torch": BACKEND,
+    "mlx": {"kind": "mlx", "device": "cpu", "dtype": "float32", "compile": "off"},
+    "mlx-compiled": {"kind": "mlx", "device": "cpu", "dtype": "float32", "compile": "on"},
+}
+ON = [pytest.param(b, marks=[_MLX, pytest.mark.mlx] if b.startswith("mlx") else []) for b in BACKENDS]
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 MISTAKES = [0, 3, -1, 1, 5, -1, 2]
 TAIL = [7, 8, 9, 10, 11, 12, 13, 14, 15]
@@ -50,9 +60,9 @@ def family(tmp_path_factory, torch_threads):
     return get
 
 
-def planted(path, script=(), **extra):
+def planted(path, script=(), backend="torch", **extra):
     drafter = {"kind": "planted", "options": {"script": list(script), "mistakes": MISTAKES}, "block_size": BLOCK}
-    config = {"backend": BACKEND, "target": {"path": str(path)}, "drafter": drafter, **extra}
+    config = {"backend": BACKENDS[backend] if isinstance(backend, str) else backend, "target": {"path": str(path)}, "drafter": drafter, **extra}
     return load_engine(config, registry=registry_with_planted())
 
 
@@ -94,25 +104,26 @@ def run_recorded(engine, ids):
 
 @pytest.fixture(scope="module")
 def engines(family):
-    """Per family: a planted engine scripted with every case's cold continuation, and those."""
+    """Per family and backend: a planted engine scripted with every case's cold continuation, and those."""
     done = {}
 
-    def get(name: str):
-        if name not in done:
+    def get(name: str, backend: str = "torch"):
+        if (name, backend) not in done:
             path = family(name)
-            plain = planted(path, prefix_cache={"max_bytes": 0})
+            plain = planted(path, backend=backend, prefix_cache={"max_bytes": 0})
             prompts = [prefix_of(n) + TAIL[:t] for n, t in CASES.values()]
             expected = {tuple(p): run(plain, p).token_ids for p in prompts}
-            done[name] = planted(path, script=expected.items()), expected
-        return done[name]
+            done[name, backend] = planted(path, script=expected.items(), backend=backend), expected
+        return done[name, backend]
 
     return get
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_resumed_request_gives_the_cold_tokens_through_rollbacks(engines, name, case):
-    engine, expected = engines(name)
+@pytest.mark.parametrize("backend", ON)
+def test_a_resumed_request_gives_the_cold_tokens_through_rollbacks(engines, backend, name, case):
+    engine, expected = engines(name, backend)
     length, tail = CASES[case]
     prompt = prefix_of(length) + TAIL[:tail]
     assert cold(engine, prompt).token_ids == expected[tuple(prompt)]
@@ -124,10 +135,11 @@ def test_a_resumed_request_gives_the_cold_tokens_through_rollbacks(engines, name
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_next_turn_resumes_where_the_last_output_ended(family, name):
+@pytest.mark.parametrize("backend", ON)
+def test_the_next_turn_resumes_where_the_last_output_ended(family, backend, name):
     """The second turn's prompt is the first's, its output and a new part: it resumes from the
     snapshot stored when the first request ended (after its rollbacks), and gives cold tokens."""
-    engine = planted(family(name))
+    engine = planted(family(name), backend=backend)
     first = run(engine, prefix_of(40), new=24)
     turn = prefix_of(40) + first.token_ids + TAIL
     want = cold(engine, turn).token_ids
@@ -137,31 +149,52 @@ def test_the_next_turn_resumes_where_the_last_output_ended(family, name):
     assert result.token_ids == want
 
 
-def corrupt_one_tensor(cache) -> None:
+def corrupt_first_layer(caches) -> None:
     """Change one restored tensor of the first layer: a full or sliding attention layer's keys,
-    a Gated DeltaNet layer's recurrent state."""
-    layer = cache.layers[0]
-    if getattr(layer, "recurrent_states", None):
+    a Gated DeltaNet layer's recurrent state (PyTorch's and MLX's caches alike)."""
+    layer = caches[0]
+    if getattr(layer, "recurrent_states", None):  # transformers' linear attention layer
         layer.recurrent_states[0] = layer.recurrent_states[0] + 0.5
-    else:
+    elif getattr(layer, "keys", None) is not None:
         layer.keys = layer.keys + 0.5
+    else:  # MLX's DeltaCache: [conv state, recurrent state]
+        layer[1] = layer[1] + 0.5
+
+
+def corrupting(monkeypatch, backend: str) -> None:
+    """Corrupt the caches after every restore."""
+    if backend == "torch":
+        from speculant.backends.torch import prefix
+
+        restored = prefix.restored_cache
+
+        def corrupted(snapshot, at):
+            cache = restored(snapshot, at)
+            corrupt_first_layer(cache.layers)
+            return cache
+
+        monkeypatch.setattr(prefix, "restored_cache", corrupted)
+    else:
+        from speculant.backends.mlx import prefix
+
+        restore = prefix.restore_caches
+
+        def corrupted(caches, snapshot, at):
+            restore(caches, snapshot, at)
+            corrupt_first_layer(caches)
+
+        monkeypatch.setattr(prefix, "restore_caches", corrupted)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_equality_check_fails_when_a_restored_cache_is_wrong(engines, name, monkeypatch):
-    engine, expected = engines(name)
+@pytest.mark.parametrize("backend", ON)
+def test_the_equality_check_fails_when_a_restored_cache_is_wrong(engines, backend, name, monkeypatch):
+    engine, expected = engines(name, backend)
     length, tail = CASES["inside a window"]
     prompt = prefix_of(length) + TAIL[:tail]
-    restored = prefix.restored_cache
-
-    def corrupted(snapshot, at):
-        cache = restored(snapshot, at)
-        corrupt_one_tensor(cache)
-        return cache
-
     engine.prefix_store.clear()
     run(engine, prefix_of(length), new=1)
-    monkeypatch.setattr(prefix, "restored_cache", corrupted)
+    corrupting(monkeypatch, backend)
     result = run(engine, prompt)
     assert result.stats.cached_tokens == length
     assert result.token_ids != expected[tuple(prompt)]
@@ -189,6 +222,8 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_cold(engines):
 def test_other_targets_and_dtypes_never_share_entries(family):
     llama = planted(family("llama"))
     others = [planted(family("gemma3_text")), planted(family("llama"), backend={**BACKEND, "dtype": "bfloat16"})]
+    if HAS_MLX:  # the same folder on another backend
+        others.append(planted(family("llama"), backend="mlx"))
     for other in others:
         other.prefix_store = llama.prefix_store
     run(llama, prefix_of(40), new=1)
@@ -197,10 +232,11 @@ def test_other_targets_and_dtypes_never_share_entries(family):
         assert run(other, prefix_of(41), new=2).stats.cached_tokens == 0
 
 
-def test_full_attention_snapshots_are_cut_at_any_token(engines):
+@pytest.mark.parametrize("backend", ON)
+def test_full_attention_snapshots_are_cut_at_any_token(engines, backend):
     """Llama's snapshot of a longer prompt serves a prompt that diverges inside it (cut at the
     divergence) and the same prompt again (cut one token short): cold tokens both times."""
-    engine, expected = engines("llama")
+    engine, expected = engines("llama", backend)
     prompt = prefix_of(48) + TAIL[:8]
     engine.prefix_store.clear()
     run(engine, prefix_of(52), new=1)  # shares 48 tokens with the prompt
