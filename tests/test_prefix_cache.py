@@ -244,3 +244,19 @@ def test_full_attention_snapshots_are_cut_at_any_token(engines, backend):
     assert result.stats.cached_tokens == 48 and result.token_ids == expected[tuple(prompt)]
     result = run(engine, prompt)  # its own snapshot, cut one token short
     assert result.stats.cached_tokens == len(prompt) - 1 and result.token_ids == expected[tuple(prompt)]
+
+
+@pytest.mark.parametrize("backend", ON)
+def test_plain_decoding_resumes_after_its_pipelined_steps(family, backend):
+    """Without a drafter, greedy requests run the target's pipelined steps (MLX, and PyTorch
+    compiled) a step ahead; the end-of-output snapshot is taken after that step is taken back."""
+    from speculant.api import load_engine as load
+
+    config = BACKENDS[backend]
+    engine = load({"backend": config, "target": {"path": str(family("qwen3_5"))}})
+    session = engine.session()
+    session.extend(prefix_of(40), max_new_tokens=20, ignore_eos=True)
+    ids = session.token_ids + TAIL
+    second = session.extend(TAIL, max_new_tokens=NEW, ignore_eos=True)
+    assert second.stats.cached_tokens == 40 + 20 - 1
+    assert second.token_ids == cold(engine, ids).token_ids
