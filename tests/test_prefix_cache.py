@@ -34,8 +34,10 @@ BACKENDS = {
     "torch": BACKEND,
     "mlx": {"kind": "mlx", "device": "cpu", "dtype": "float32", "compile": "off"},
     "mlx-compiled": {"kind": "mlx", "device": "cpu", "dtype": "float32", "compile": "on"},
+    "torch-compiled": {**BACKEND, "compile": "on"},  # the static cache, as on CUDA by default
 }
-ON = [pytest.param(b, marks=[_MLX, pytest.mark.mlx] if b.startswith("mlx") else []) for b in BACKENDS]
+_MARKS = {"mlx": [_MLX, pytest.mark.mlx], "mlx-compiled": [_MLX, pytest.mark.mlx], "torch-compiled": [pytest.mark.slow]}
+ON = [pytest.param(b, marks=_MARKS.get(b, [])) for b in BACKENDS]
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 MISTAKES = [0, 3, -1, 1, 5, -1, 2]
 TAIL = [7, 8, 9, 10, 11, 12, 13, 14, 15]
@@ -163,7 +165,20 @@ def corrupt_first_layer(caches) -> None:
 
 def corrupting(monkeypatch, backend: str) -> None:
     """Corrupt the caches after every restore."""
-    if backend == "torch":
+    if backend == "torch-compiled":
+        from speculant.backends.torch import prefix
+
+        restore_static = prefix.restore_static
+
+        def corrupted_static(static, snapshot, at):
+            done = restore_static(static, snapshot, at)
+            layer = static.cache.layers[0]  # in place: the compiled graphs read the buffers where they are
+            with torch.inference_mode():
+                (layer.recurrent_states[0] if getattr(layer, "recurrent_states", None) else layer.keys).add_(0.5)
+            return done
+
+        monkeypatch.setattr(prefix, "restore_static", corrupted_static)
+    elif backend == "torch":
         from speculant.backends.torch import prefix
 
         restored = prefix.restored_cache

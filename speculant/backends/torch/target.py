@@ -271,11 +271,18 @@ class TorchTarget(TargetModel):
         return torch.argmax(self.forward(token).logits[-1:], dim=-1)
 
     def snapshot(self):
-        """The eager cache's copy (prefix.py); None on the compiled path's static cache."""
-        return None if self._on_static else prefix.snapshot_cache(self.cache, self.cache_length)
+        """A copy of the eager or the static cache (prefix.py)."""
+        if self._on_static:
+            return prefix.snapshot_static(self._static)
+        return prefix.snapshot_cache(self.cache, self.cache_length)
 
     def restore(self, snapshot, length: int) -> bool:
+        """Each path restores its own snapshots only (a request after a failed compile runs cold)."""
         if self._on_static:
+            if not self._static.fits(length):
+                self._outgrown(length)
+            return self._on_static and prefix.restore_static(self._static, snapshot, length)
+        if not isinstance(snapshot.state, RollbackCache):
             return False
         self.cache = prefix.restored_cache(snapshot, length)  # outside inference mode, as reset() builds it
         return True
