@@ -34,11 +34,7 @@ class Session:
 
     def say(self, text: str, **settings: Any) -> "GenerationResult":
         """Send a user message and return the whole reply (kept in ``messages``)."""
-        from speculant.core.engine import GenerationResult
-
-        chunks = list(self.stream(text, **settings))
-        final = chunks[-1]
-        return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], final.stats)
+        return _collected(self.stream(text, **settings))
 
     def stream(self, text: str, **settings: Any) -> Iterator[Chunk]:
         """Send a user message; yield the reply chunk by chunk (kept in ``messages`` once it ends)."""
@@ -54,10 +50,14 @@ class Session:
     def extend(self, prompt_ids: Sequence[int], **settings: Any) -> "GenerationResult":
         """Append ``prompt_ids`` to the conversation's ids and generate after them; the output's
         ids are appended too, so the next call continues the conversation."""
+        return _collected(self.extend_stream(prompt_ids, **settings))
+
+    def extend_stream(self, prompt_ids: Sequence[int], **settings: Any) -> Iterator[Chunk]:
+        """:meth:`extend`, chunk by chunk (the ids are kept once the output ends)."""
         ids = self.token_ids + [int(t) for t in prompt_ids]
-        result = self.engine.run(prompt_ids=ids, **settings)
-        self.token_ids = ids + list(result.token_ids)
-        return result
+        with self.engine.generate(prompt_ids=ids, **settings) as generation:
+            yield from generation
+        self.token_ids = ids + generation.token_ids
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         tokenizer = self.engine.tokenizer
@@ -65,3 +65,10 @@ class Session:
             raise SettingError("session: the target's tokenizer has no chat template; hold the conversation "
                                "as token ids with session.extend(prompt_ids)", "prompt")
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _collected(chunks: Iterator[Chunk]) -> "GenerationResult":
+    from speculant.core.engine import GenerationResult
+
+    parts = list(chunks)
+    return GenerationResult("".join(c.text for c in parts), [t for c in parts for t in c.token_ids], parts[-1].stats)
