@@ -179,6 +179,12 @@ class PrefixCacheConfig(_Section):
     max_bytes: int = Field(1 << 30, ge=0, le=PREFIX_BYTES_MAX)
     """Bytes the snapshots may hold together, on the target's device (least recently used evicted
     first; a snapshot larger than this is not kept); `0` turns the cache off."""
+    disk_dir: LaxPath | None = None
+    """A directory that snapshots evicted from memory are spilled to (safetensors, checked by a
+    checksum when read back), and that later processes reuse; unset: none are kept on disk. Its
+    files are loaded with pickle: use a directory only speculant writes to."""
+    disk_max_bytes: int = Field(16 << 30, ge=0, le=PREFIX_BYTES_MAX)
+    """Bytes the spilled snapshots' files may take in `disk_dir` (least recently used removed first)."""
 
 
 class EngineConfig(_Section):

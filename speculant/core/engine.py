@@ -16,7 +16,7 @@ from speculant.core.errors import EngineBusyError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
 from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
-from speculant.core.prefix_cache import PrefixStore
+from speculant.core.prefix_disk import prefix_store
 from speculant.core.text import StreamDecoder
 from speculant.core.problems import Report
 from speculant.core.schema import error_lines
@@ -68,7 +68,7 @@ class Engine:
         # Held while a request runs; engines sharing one target (without_drafter) share it too.
         self._busy = threading.Lock()
         # Snapshots of earlier requests' caches (prefix_cache.py); may be shared between engines.
-        self.prefix_store = PrefixStore(config.prefix_cache.max_bytes)
+        self.prefix_store = prefix_store(config.prefix_cache, backend)
 
     # -- construction ----------------------------------------------------------------------
     def without_drafter(self) -> "Engine":

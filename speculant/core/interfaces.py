@@ -173,6 +173,21 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (timing only)."""
 
+    writes_arrays: ClassVar[bool] = False
+    """Whether ``is_array`` / ``save_arrays`` / ``load_arrays`` work (the prefix cache's disk tier)."""
+
+    def is_array(self, value: Any) -> bool:
+        """Whether ``value`` is one of this backend's arrays."""
+        return False
+
+    def save_arrays(self, path: str, arrays: dict[str, Array]) -> None:
+        """Write ``arrays`` to a safetensors file at ``path``."""
+        raise NotImplementedError
+
+    def load_arrays(self, path: str) -> dict[str, Array]:
+        """Read a safetensors file written by ``save_arrays``, onto this backend's device."""
+        raise NotImplementedError
+
     @property
     def asynchronous(self) -> bool:
         """Whether queued work runs on a device while the host goes on (a GPU), so that the host's

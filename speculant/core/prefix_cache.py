@@ -20,9 +20,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 from speculant.core.types import Array
+
+if TYPE_CHECKING:
+    from speculant.core.prefix_disk import DiskTier
 
 
 @dataclass
@@ -65,6 +68,8 @@ class PrefixStats:
     stored: int = 0
     evicted: int = 0
     skipped: int = 0  # snapshots larger than the whole budget
+    spilled: int = 0  # evicted entries written to the disk tier
+    disk_hits: int = 0  # entries brought back from it
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -73,12 +78,13 @@ class PrefixStats:
 class PrefixStore:
     """Snapshots by state key and tokens, within ``max_bytes`` (0 = off), least recently used first out."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, spill: "DiskTier | None" = None) -> None:
         self.max_bytes = max_bytes
+        self.spill = spill  # where evicted entries go, if anywhere
         self.stats = PrefixStats()
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], PrefixEntry] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def enabled(self) -> bool:
@@ -98,6 +104,12 @@ class PrefixStore:
             for (key, _), entry in self._entries.items():
                 if key == state_key and (n := entry.usable(prompt)) > best_length:
                     best, best_length = (key, entry.tokens), n
+            spilled = self.spill.find(state_key, prompt) if self.spill is not None else None
+            if spilled is not None and spilled[1] > best_length:
+                entry = self.spill.load(spilled[0])  # None when its files fail the checksum
+                if entry is not None and self.store(state_key, entry):
+                    best, best_length = (state_key, entry.tokens), spilled[1]
+                    self.stats.disk_hits += 1
             if best is None:
                 self.stats.misses += 1
                 return None
@@ -107,8 +119,8 @@ class PrefixStore:
             return self._entries[best], best_length
 
     def store(self, state_key: Hashable, entry: PrefixEntry) -> bool:
-        """Keep ``entry`` (replacing one with the same tokens), evicting old entries to fit;
-        False when it alone is over the budget or the store is off."""
+        """Keep ``entry`` (replacing one with the same tokens), evicting old entries to fit (to the
+        disk tier if there is one); False when it alone is over the budget or the store is off."""
         size = entry.nbytes
         if not self.enabled or size > self.max_bytes:
             self.stats.skipped += self.enabled
@@ -120,22 +132,29 @@ class PrefixStore:
                             if k[0] == state_key and e.snapshot.cuttable and entry.tokens[:len(e.tokens)] == e.tokens]:
                     self._drop(key)
             while self._entries and self._bytes + size > self.max_bytes:
-                self._drop(next(iter(self._entries)))
+                key = next(iter(self._entries))
+                evicted = self._drop(key)
                 self.stats.evicted += 1
+                if self.spill is not None and self.spill.put(key[0], evicted):
+                    self.stats.spilled += 1
             self._entries[(state_key, entry.tokens)] = entry
             self._bytes += size
             self.stats.stored += 1
             return True
 
     def clear(self) -> None:
+        """Drop every entry, the disk tier's too."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+            if self.spill is not None:
+                self.spill.clear()
 
-    def _drop(self, key) -> None:
+    def _drop(self, key) -> PrefixEntry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+        return entry
 
 
 def array_bytes(array: Array | None) -> int:
