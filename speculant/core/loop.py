@@ -97,6 +97,7 @@ class Loop:
                 self._timed(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]), "draft_s")
             new = self._emit(first)
             yield new
+            self.prefix.prompt_done()
             position = len(self.prompt_ids)
             steps = self._greedy_steps(first[-1]) if self._stop_reason is None and not self.cancelled() else None
             if steps is not None:

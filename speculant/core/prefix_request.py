@@ -54,8 +54,7 @@ class PrefixRequest:
         return length
 
     def joined(self, out: ForwardOutput) -> ForwardOutput:
-        """The prefill's output over the whole prompt: the restored prefix's rows, then its own;
-        also stores the prompt's snapshot."""
+        """The prefill's output over the whole prompt: the restored prefix's rows, then its own."""
         if self.cached_tokens:
             ops = self.engine.backend.ops
             features, final = self._prefix
@@ -63,8 +62,13 @@ class PrefixRequest:
             self._prefix = (None, None)
         if self.active:
             self._take(out, len(self.prompt))
-            self._store(self.prompt)
         return out
+
+    def prompt_done(self) -> None:
+        """Store the prompt's snapshot (called once the first token is out, so that the copy is
+        not part of the time to first token; the caches still hold the prompt alone)."""
+        if self.active:
+            self._store(self.prompt)
 
     # -- while decoding --------------------------------------------------------------------
     def committed(self, out: ForwardOutput, rows: int) -> None:
