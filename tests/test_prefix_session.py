@@ -65,4 +65,6 @@ def test_generate_reuses_an_earlier_prompt_and_the_stats_say_so(engine):
     stats = chunks[-1].stats
     assert stats.cached_tokens == 35 and "35 of 45 prompt tokens from the prefix cache" in str(stats)
     assert stats.as_dict()["cached_tokens"] == 35
+    assert stats.as_dict()["prefix_cache_hits"] == engine.prefix_store.stats.hits >= 1
+    assert stats.as_dict()["prefix_cache_bytes"] > 0 and "hits," in str(stats)
     assert engine.prefix_store.stats.hits >= 1 and engine.prefix_store.bytes > 0

@@ -268,4 +268,4 @@ class Loop:
         s.dtype, s.dtype_reason = self.e.backend.dtype_name, self.e.backend.dtype_reason
         s.target = target_name(self.e.target.info.path)
         self.prefix.finished(self.produced, s.stop_reason)
-        s.prefix_cache_bytes = self.e.prefix_store.bytes
+        s.prefix_cache_bytes, s.prefix_cache_hits = self.e.prefix_store.bytes, self.e.prefix_store.stats.hits

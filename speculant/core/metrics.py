@@ -25,6 +25,8 @@ PUBLIC_FIELDS = (
     "dtype_reason",
     "target",
     "cached_tokens",
+    "prefix_cache_hits",
+    "prefix_cache_bytes",
 )
 
 
@@ -32,7 +34,8 @@ PUBLIC_FIELDS = (
 class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache, not prefilled
-    prefix_cache_bytes: int = 0  # what the engine's prefix cache held when the request ended
+    prefix_cache_bytes: int = 0  # what the engine's prefix cache held in memory when the request ended
+    prefix_cache_hits: int = 0  # requests of this engine resumed from it so far, this one included
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -128,7 +131,10 @@ class GenerationStats:
         return f", dtype {self.dtype} ({self.dtype_reason})" if self.dtype else ""
 
     def _cached_text(self) -> str:
-        return f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache" if self.cached_tokens else ""
+        if not self.cached_tokens:
+            return ""
+        return (f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache "
+                f"({self.prefix_cache_hits} hits, {self.prefix_cache_bytes / 2**20:.1f} MiB held)")
 
     def _lookup_text(self) -> str:
         if not self.lookup_steps:
