@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from speculant.backends.mlx.static import StaticKVCache
+from speculant.core.buffers import capacity_for
 from speculant.core.prefix_cache import CacheSnapshot
 
 
@@ -24,6 +25,7 @@ def snapshot_caches(caches: list, length: int) -> CacheSnapshot:
     for c in saved:
         if type(c) is StaticKVCache:  # the last compiled call's input, set again before every forward
             c.offset = mx.array(0, dtype=mx.int32)
+            _fit(c, length)
     arrays = [a for c in saved for a in _arrays(c)]
     mx.eval(arrays)
     return CacheSnapshot(saved, length, sum(a.nbytes for a in arrays), all(_full_attention(c) for c in saved))
@@ -39,6 +41,17 @@ def restore_caches(caches: list, snapshot: CacheSnapshot, length: int) -> None:
         vars(live).update(vars(saved))
         if length < snapshot.length:
             live.trim(snapshot.length - length)
+            if type(live) is StaticKVCache:
+                _fit(live, length)
+
+
+def _fit(cache: StaticKVCache, length: int) -> None:
+    """A full-attention layer's buffers cut to the rows ``length`` positions need (a short request
+    after a long one starts with small buffers, as after a reset); a ring is kept as it is."""
+    size = capacity_for(length)
+    if cache.window is None and cache.keys is not None and cache.capacity > size:
+        cache.keys, cache.values = cache.keys[:, :, :size], cache.values[:, :, :size]
+        cache.capacity, cache.written = size, min(cache.written, length)
 
 
 def _full_attention(cache) -> bool:
