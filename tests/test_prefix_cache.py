@@ -275,3 +275,19 @@ def test_plain_decoding_resumes_after_its_pipelined_steps(family, backend):
     second = session.extend(TAIL, max_new_tokens=NEW, ignore_eos=True)
     assert second.stats.cached_tokens == 40 + 20 - 1
     assert second.token_ids == cold(engine, ids).token_ids
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("backend", ON)
+def test_prompts_sharing_a_system_prefix_get_a_checkpoint_there(family, backend, name):
+    """Sliding and hybrid snapshots serve only prompts extending their whole tokens, so a second
+    prompt that shares just a system prefix with the first misses; its prefill then stops at the
+    shared prefix's end to store a snapshot, and a third prompt sharing it resumes there."""
+    engine = planted(family(name), backend=backend)
+    system, users = prefix_of(40), [[7, 8, 9, 10], [11, 12, 13, 14, 15], [16, 17, 18]]
+    want = cold(engine, system + users[2]).token_ids
+    first, second = (run(engine, system + u, new=8) for u in users[:2])
+    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens == 0
+    third = run(engine, system + users[2])
+    assert third.stats.cached_tokens == len(system)
+    assert third.token_ids == want

@@ -94,12 +94,15 @@ def test_a_resumed_drafter_drafts_as_a_cold_one(pairs, kind, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_drafting_check_fails_without_the_prefix_rows(pairs, kind, backend, monkeypatch):
     """The drafter handed zeros for the prefix's rows: the check above sees it."""
-    joined = prefix_request._joined
+    restore = prefix_request.PrefixRequest.restore
 
-    def zeroed_prefix(ops, prefix, rest):
-        return joined(ops, None if prefix is None else prefix * 0, rest)
+    def zeroed_prefix(self):
+        length = restore(self)
+        self._features = [rows * 0 for rows in self._features]
+        self._final = [rows * 0 for rows in self._final]
+        return length
 
-    monkeypatch.setattr(prefix_request, "_joined", zeroed_prefix)
+    monkeypatch.setattr(prefix_request.PrefixRequest, "restore", zeroed_prefix)
     resumed, cold, worst = resumed_and_cold(pairs, kind, backend)
     assert worst > 1e-2
     assert resumed.token_ids == cold.token_ids  # lossless all the same

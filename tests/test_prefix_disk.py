@@ -72,7 +72,7 @@ def test_a_damaged_spill_file_is_dropped_and_recomputed(hybrid, cold, backend, d
     file.write_bytes(bytes(data))
     result = run(e, PROMPT)
     assert result.stats.cached_tokens == 0 and e.prefix_store.spill.dropped == 1
-    assert not file.exists()
+    assert not file.exists() or file.read_bytes() != bytes(data)  # gone, or a fresh spill of the recomputed prefix
     assert result.token_ids == cold[backend]
 
 

@@ -89,8 +89,7 @@ class Loop:
             e.target.reset()
             e.verifier.begin(len(self.prompt_ids))
             start = self.stats.cached_tokens = self.prefix.restore()
-            out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids[start:], self.capture), "target_s")
-            out = self.prefix.joined(out)
+            out, _ = self._timed(lambda: self.prefix.prefill(start), "target_s")
             first = self._verify(None, out.logits[-1:]).token_ids
             self._t_first = time.perf_counter()
             if self.speculating:

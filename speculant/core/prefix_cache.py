@@ -18,7 +18,7 @@ prefill: its logits give the first new token.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
@@ -75,6 +75,9 @@ class PrefixStats:
         return dict(vars(self))
 
 
+RECENT_PROMPTS = 16  # prompts per state key compared with a new one for a shared prefix
+
+
 class PrefixStore:
     """Snapshots by state key and tokens, within ``max_bytes`` (0 = off), least recently used first out."""
 
@@ -85,6 +88,7 @@ class PrefixStore:
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], PrefixEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.RLock()
+        self._recent: dict[Hashable, deque] = {}  # recent prompts per state key, for checkpoints
 
     @property
     def enabled(self) -> bool:
@@ -142,10 +146,27 @@ class PrefixStore:
             self.stats.stored += 1
             return True
 
+    def remember(self, state_key: Hashable, prompt: Sequence[int]) -> None:
+        """Note a request's prompt, so later ones can find the prefix they share with it."""
+        with self._lock:
+            self._recent.setdefault(state_key, deque(maxlen=RECENT_PROMPTS)).append(tuple(prompt))
+
+    def shared_prefix(self, state_key: Hashable, prompt: Sequence[int]) -> int:
+        """The most leading tokens ``prompt`` shares with a recent prompt, leaving one."""
+        with self._lock:
+            recent = list(self._recent.get(state_key, ()))
+        return max((_common_prefix(p, prompt, min(len(p), len(prompt) - 1)) for p in recent), default=0)
+
+    def cuttable(self, state_key: Hashable) -> bool:
+        """Whether this key's snapshots are cut at any token (then no checkpoint is needed)."""
+        with self._lock:
+            return any(e.snapshot.cuttable for (key, _), e in self._entries.items() if key == state_key)
+
     def clear(self) -> None:
         """Drop every entry, the disk tier's too."""
         with self._lock:
             self._entries.clear()
+            self._recent.clear()
             self._bytes = 0
             if self.spill is not None:
                 self.spill.clear()

@@ -18,6 +18,7 @@ from speculant.core.types import Array, Capture, ForwardOutput
 if TYPE_CHECKING:
     from speculant.core.engine import Engine
 
+CHECKPOINT_MIN = 16  # shared tokens worth a snapshot of their own (one more prefill chunk and copy)
 # stop reasons after which the caches hold exactly the committed rows (no half-run forward)
 _CLEAN_STOPS = frozenset({"eos", "max_new_tokens", "stop_string", "context_length", "cancelled"})
 
@@ -33,12 +34,11 @@ class PrefixRequest:
         self.key: Hashable = state_key(engine, capture)
         self.active = self.store.enabled
         self.cached_tokens = 0
-        self._prefix: tuple[Array | None, Array | None] = (None, None)
         self._features: list[Array] = []  # captured rows of every cached position, in order
         self._final: list[Array] = []
         self._complete = True  # every cached position's rows were captured
 
-    # -- before the prefill ----------------------------------------------------------------
+    # -- the prefill ------------------------------------------------------------------------
     def restore(self) -> int:
         """Put the longest stored prefix of the prompt into the target's caches; its length."""
         if not self.active:
@@ -50,19 +50,36 @@ class PrefixRequest:
         if not self.engine.target.restore(entry.snapshot, length):
             return 0
         self.cached_tokens = length
-        self._prefix = (_rows(entry.features, length), _rows(entry.final_hidden, length))
+        self._features = [] if entry.features is None else [entry.features[:length]]
+        self._final = [] if entry.final_hidden is None else [entry.final_hidden[:length]]
         return length
 
-    def joined(self, out: ForwardOutput) -> ForwardOutput:
-        """The prefill's output over the whole prompt: the restored prefix's rows, then its own."""
-        if self.cached_tokens:
-            ops = self.engine.backend.ops
-            features, final = self._prefix
-            out = ForwardOutput(out.logits, _joined(ops, features, out.features), _joined(ops, final, out.final_hidden))
-            self._prefix = (None, None)
-        if self.active:
-            self._take(out, len(self.prompt))
-        return out
+    def prefill(self, start: int) -> ForwardOutput:
+        """Prefill the prompt after the ``start`` restored tokens; the output over the whole prompt
+        (the restored rows, then the prefill's). Where an earlier prompt shared more of this one
+        than the store could restore and the target's snapshots cannot be cut (sliding windows,
+        Gated DeltaNet), the prefill stops once at the shared prefix's end to store a snapshot
+        there, which later prompts sharing it (an agent's system prompt) resume from."""
+        target, prompt = self.engine.target, self.prompt
+        if not self.active:
+            return target.prefill(prompt, self.capture)
+        split = self._checkpoint(start)
+        self.store.remember(self.key, prompt)
+        bounds = [start, len(prompt)] if split is None else [start, split, len(prompt)]
+        for a, b in zip(bounds, bounds[1:]):
+            out = target.prefill(prompt[a:b], self.capture)
+            self._take(out, b - a)
+            if b == split:
+                self._store(prompt[:split])
+        ops = self.engine.backend.ops
+        self._features, self._final = _compacted(ops, self._features), _compacted(ops, self._final)
+        return ForwardOutput(out.logits, _first(self._features), _first(self._final))
+
+    def _checkpoint(self, start: int) -> int | None:
+        shared = self.store.shared_prefix(self.key, self.prompt)
+        if shared - start < CHECKPOINT_MIN or self.store.cuttable(self.key):
+            return None  # a cut-able snapshot serves any prefix already
+        return shared
 
     def prompt_done(self) -> None:
         """Store the prompt's snapshot (called once the first token is out, so that the copy is
@@ -133,9 +150,3 @@ def _first(arrays: list[Array]) -> Array | None:
 
 def _compacted(ops, arrays: list[Array]) -> list[Array]:
     return arrays if len(arrays) <= 1 else [ops.concatenate(arrays, axis=0)]
-
-
-def _joined(ops, prefix: Array | None, rest: Array | None) -> Array | None:
-    if prefix is None or rest is None:
-        return rest
-    return ops.concatenate([prefix, rest], axis=0)
