@@ -287,7 +287,9 @@ def test_prompts_sharing_a_system_prefix_get_a_checkpoint_there(family, backend,
     system, users = prefix_of(40), [[7, 8, 9, 10], [11, 12, 13, 14, 15], [16, 17, 18]]
     want = cold(engine, system + users[2]).token_ids
     first, second = (run(engine, system + u, new=8) for u in users[:2])
-    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens == 0
+    # PyTorch's compiled path lays sliding layers out whole: its snapshots are cut, no checkpoint needed
+    cut = backend == "torch-compiled" and name == "gemma3_text"
+    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens == (len(system) if cut else 0)
     third = run(engine, system + users[2])
     assert third.stats.cached_tokens == len(system)
     assert third.token_ids == want

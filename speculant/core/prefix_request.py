@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable, Sequence
 
+from speculant.core.interfaces import TargetModel
 from speculant.core.prefix_cache import PrefixEntry
 from speculant.core.types import Array, Capture, ForwardOutput
 
@@ -32,7 +33,8 @@ class PrefixRequest:
         self.prompt = tuple(int(t) for t in prompt_ids)
         self.capture = capture
         self.key: Hashable = state_key(engine, capture)
-        self.active = self.store.enabled
+        # a target that takes no snapshots (the interface's default) leaves the store alone
+        self.active = self.store.enabled and type(engine.target).snapshot is not TargetModel.snapshot
         self.cached_tokens = 0
         self._features: list[Array] = []  # captured rows of every cached position, in order
         self._final: list[Array] = []
