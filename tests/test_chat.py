@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 
-import pytest
 
 import speculant
 from speculant.cli import main
