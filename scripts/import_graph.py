@@ -10,7 +10,7 @@ from __future__ import annotations
 import grimp
 
 PACKAGES = (
-    "speculant.cli", "speculant.cli_settings", "speculant.check", "speculant.serve", "speculant.bench",
+    "speculant.cli", "speculant.cli_settings", "speculant.chat", "speculant.check", "speculant.serve", "speculant.bench",
     "speculant.training", "speculant.testing", "speculant.embedded", "speculant.pairs", "speculant.api", "speculant.plugins",
     "speculant.backends", "speculant.drafters", "speculant.verifiers", "speculant.plugin_api", "speculant.core",
 )

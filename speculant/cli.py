@@ -1,5 +1,5 @@
-"""The ``speculant`` command: ``generate``, ``validate``, ``check``, ``plugins``, ``bench``, ``train``,
-``serve``, ``export`` and ``pull``.
+"""The ``speculant`` command: ``generate``, ``chat``, ``validate``, ``check``, ``plugins``, ``bench``,
+``train``, ``serve``, ``export`` and ``pull``.
 
 Text goes to stdout, statistics and diagnostics to stderr. speculant's own errors print one
 line (or a short list) and exit 2, any other error one line and exit 1; ``--debug`` (or
@@ -78,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_serve(sub, common)
     _add_pull(sub, common)
+    _add_chat(sub, common)
     return parser
+
+
+def _add_chat(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``speculant chat``: in speculant.chat (a multi-turn session over the prefix cache)."""
+    from speculant.chat import add_parser
+
+    add_parser(sub, [common], add_override_flags)
 
 
 def _add_pull(sub: Any, common: argparse.ArgumentParser) -> None:

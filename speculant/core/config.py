@@ -169,6 +169,24 @@ class GenerationConfig(_Section):
     """Keep going past end-of-sequence tokens (benchmarks)."""
 
 
+PREFIX_BYTES_MAX = 2**50  # a petabyte: more than any machine holds
+
+
+class PrefixCacheConfig(_Section):
+    """Snapshots of earlier requests' caches, reused by a request whose prompt starts with the same
+    tokens (a chat's earlier turns, an agent's system prompt): only the rest is prefilled."""
+
+    max_bytes: int = Field(1 << 30, ge=0, le=PREFIX_BYTES_MAX)
+    """Bytes the snapshots may hold together, on the target's device (least recently used evicted
+    first; a snapshot larger than this is not kept); `0` turns the cache off."""
+    disk_dir: LaxPath | None = None
+    """A directory that snapshots evicted from memory are spilled to (safetensors, checked by a
+    checksum when read back), and that later processes reuse; unset: none are kept on disk. Its
+    files are loaded with pickle: use a directory only speculant writes to."""
+    disk_max_bytes: int = Field(16 << 30, ge=0, le=PREFIX_BYTES_MAX)
+    """Bytes the spilled snapshots' files may take in `disk_dir` (least recently used removed first)."""
+
+
 class EngineConfig(_Section):
     """Everything an engine is built from; only `target.path` is required."""
 
@@ -184,6 +202,8 @@ class EngineConfig(_Section):
     """`[sampling]`: the target's decoding distribution."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """`[generation]`: when to stop."""
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
+    """`[prefix_cache]`: reuse of earlier requests' prefixes."""
 
     @classmethod
     def load(cls, source: "EngineConfig | dict | str | Path") -> "EngineConfig":

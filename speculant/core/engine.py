@@ -9,18 +9,22 @@ import threading
 import warnings
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
 from speculant.core.errors import EngineBusyError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
 from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
+from speculant.core.prefix_disk import prefix_store
 from speculant.core.text import StreamDecoder
 from speculant.core.problems import Report
 from speculant.core.schema import error_lines
 from speculant.core.types import Capture, Chunk
 from speculant.core.validator import sampling_problems
+
+if TYPE_CHECKING:
+    from speculant.core.session import Session
 
 
 @dataclass
@@ -63,6 +67,8 @@ class Engine:
         self.time_phases = False
         # Held while a request runs; engines sharing one target (without_drafter) share it too.
         self._busy = threading.Lock()
+        # Snapshots of earlier requests' caches (prefix_cache.py); may be shared between engines.
+        self.prefix_store = prefix_store(config.prefix_cache, backend)
 
     # -- construction ----------------------------------------------------------------------
     def without_drafter(self) -> "Engine":
@@ -71,7 +77,15 @@ class Engine:
         engine = type(self)(config, self.backend, self.target, type(self.verifier)(config.verifier.options), None,
                             self.report)
         engine._busy = self._busy
+        engine.prefix_store = self.prefix_store  # the same target: its snapshots serve both
         return engine
+
+    def session(self, system: str | None = None) -> "Session":
+        """A multi-turn conversation over this engine: each turn sends the conversation so far, and
+        the prefix cache restores what earlier turns left instead of prefilling it again."""
+        from speculant.core.session import Session
+
+        return Session(self, system)
 
     @property
     def speculative(self) -> bool:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from speculant.core.tree import DraftTree
 
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
+    from speculant.core.prefix_cache import CacheSnapshot
     from speculant.core.problems import Problem
 
 
@@ -82,6 +83,16 @@ class TargetModel(ABC):
     @abstractmethod
     def crop(self, length: int) -> None:
         """Roll the KV cache back to its first ``length`` positions."""
+
+    def snapshot(self) -> "CacheSnapshot | None":
+        """A copy of the caches as they stand (``cache_length`` positions), for the prefix store;
+        None (the default) when this target cannot take one."""
+        return None
+
+    def restore(self, snapshot: "CacheSnapshot", length: int) -> bool:
+        """Replace the caches with a copy of ``snapshot``'s, cut to ``length`` positions (only a
+        ``cuttable`` snapshot is cut); False (the default) when this target cannot."""
+        return False
 
     def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
         """Build the compiled forwards of every verify width up to ``block_size`` (with ``capture``)
@@ -186,6 +197,21 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work (timing only)."""
+
+    writes_arrays: ClassVar[bool] = False
+    """Whether ``is_array`` / ``save_arrays`` / ``load_arrays`` work (the prefix cache's disk tier)."""
+
+    def is_array(self, value: Any) -> bool:
+        """Whether ``value`` is one of this backend's arrays."""
+        return False
+
+    def save_arrays(self, path: str, arrays: dict[str, Array]) -> None:
+        """Write ``arrays`` to a safetensors file at ``path``."""
+        raise NotImplementedError
+
+    def load_arrays(self, path: str) -> dict[str, Array]:
+        """Read a safetensors file written by ``save_arrays``, onto this backend's device."""
+        raise NotImplementedError
 
     @property
     def asynchronous(self) -> bool:

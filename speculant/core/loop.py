@@ -16,6 +16,7 @@ import numpy as np
 from speculant.core.config import GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError
 from speculant.core.metrics import GenerationStats, target_name
+from speculant.core.prefix_request import PrefixRequest
 from speculant.core.tree_cycle import tree_cycle, trees_allowed
 from speculant.core.types import Capture, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
 
@@ -55,6 +56,7 @@ class Loop:
         self._ahead: Draft | None = None  # the next cycle's draft, made before this one's verification
         self._ahead_anchor = None
         self._last_whole = True  # the last verified draft was accepted whole
+        self.prefix = PrefixRequest(engine, prompt_ids, self.capture)
         window = engine.target.info.max_position_embeddings
         self.window = window
         if window is not None and len(prompt_ids) >= window:
@@ -88,13 +90,15 @@ class Loop:
             e.backend.reset_peak_memory()
             e.target.reset()
             e.verifier.begin(len(self.prompt_ids))
-            out, _ = self._timed(lambda: e.target.prefill(self.prompt_ids, self.capture), "target_s")
+            start = self.stats.cached_tokens = self.prefix.restore()
+            out, _ = self._timed(lambda: self.prefix.prefill(start), "target_s")
             first = self._verify(None, out.logits[-1:]).token_ids
             self._t_first = time.perf_counter()
             if self.speculating:
                 self._timed(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]), "draft_s")
             new = self._emit(first)
             yield new
+            self.prefix.prompt_done()
             position = len(self.prompt_ids)
             steps = self._greedy_steps(first[-1]) if self._stop_reason is None and not self.cancelled() else None
             if steps is not None:
@@ -165,6 +169,7 @@ class Loop:
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
         e.target.crop(position + accepted + 1)
+        self.prefix.committed(out, accepted + 1)
         if n > 0:
             self._last_whole = accepted == n
         commit_s = 0.0
@@ -266,3 +271,5 @@ class Loop:
         s.draft_fast_path = None if self.e.drafter is None else self.e.drafter.fast_path
         s.dtype, s.dtype_reason = self.e.backend.dtype_name, self.e.backend.dtype_reason
         s.target = target_name(self.e.target.info.path)
+        self.prefix.finished(self.produced, s.stop_reason)
+        s.prefix_cache_bytes, s.prefix_cache_hits = self.e.prefix_store.bytes, self.e.prefix_store.stats.hits

@@ -24,12 +24,18 @@ PUBLIC_FIELDS = (
     "dtype",
     "dtype_reason",
     "target",
+    "cached_tokens",
+    "prefix_cache_hits",
+    "prefix_cache_bytes",
 )
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache, not prefilled
+    prefix_cache_bytes: int = 0  # what the engine's prefix cache held in memory when the request ended
+    prefix_cache_hits: int = 0  # requests of this engine resumed from it so far, this one included
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -118,11 +124,17 @@ class GenerationStats:
         return (
             f"{self.new_tokens} tokens, TTFT {self.ttft_s * 1000:.0f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
             f"decode {self.decode_tokens_per_s:.1f} tok/s{tau}, {self.verify_steps} verify steps{self._lookup_text()}, "
-            f"stop: {self.stop_reason}{self._dtype_text()}"
+            f"stop: {self.stop_reason}{self._dtype_text()}{self._cached_text()}"
         )
 
     def _dtype_text(self) -> str:
         return f", dtype {self.dtype} ({self.dtype_reason})" if self.dtype else ""
+
+    def _cached_text(self) -> str:
+        if not self.cached_tokens:
+            return ""
+        return (f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache "
+                f"({self.prefix_cache_hits} hits, {self.prefix_cache_bytes / 2**20:.1f} MiB held)")
 
     def _lookup_text(self) -> str:
         if not self.lookup_steps:

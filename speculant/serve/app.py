@@ -183,7 +183,7 @@ class _Server:
         extra = speculative_stats(stats)
         extra["engine"] = "speculative" if self.engine.speculative else "plain"
         return finish_reason(stats.stop_reason if stats else None), usage(
-            stats.prompt_tokens if stats else 0, len(done.token_ids)), extra
+            stats.prompt_tokens if stats else 0, len(done.token_ids), stats.cached_tokens if stats else 0), extra
 
     async def _whole(self, request: Request, job: Job, shape: Shape) -> Response:
         parts: list[str] = []

@@ -47,6 +47,10 @@ class ServerMetrics:
         self.accepted = Counter("speculant_accepted_tokens", "Proposed tokens the target accepted", registry=r)
         self.plain_steps = Counter("speculant_plain_steps", "Verify steps with no proposal (plain decoding)",
                                    registry=r)
+        self.prefix_hits = Counter("speculant_prefix_cache_hits", "Requests resumed from the prefix cache", registry=r)
+        self.cached_tokens = Counter("speculant_prefix_cache_cached_tokens",
+                                     "Prompt tokens restored from the prefix cache instead of prefilled", registry=r)
+        self.prefix_bytes = Gauge("speculant_prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
         self.plain_fallbacks = Counter("speculant_plain_fallback_requests",
                                        "Requests of a speculative engine that verified no proposal at all", registry=r)
 
@@ -56,6 +60,9 @@ class ServerMetrics:
         extra = speculative_stats(stats)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generated_tokens.inc(stats.new_tokens)
+        self.prefix_hits.inc(int(stats.cached_tokens > 0))
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.prefix_bytes.set(stats.prefix_cache_bytes)
         if stats.new_tokens:
             self.ttft.observe(stats.ttft_s)
         if stats.new_tokens > 1:

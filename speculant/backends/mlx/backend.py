@@ -84,6 +84,17 @@ class MLXBackend(Backend):
     def int_array(self, values):
         return self._mx.array(list(values), dtype=self._mx.int32)
 
+    writes_arrays = True
+
+    def is_array(self, value) -> bool:
+        return isinstance(value, self._mx.array)
+
+    def save_arrays(self, path: str, arrays: dict) -> None:
+        self._mx.save_safetensors(path, arrays)
+
+    def load_arrays(self, path: str) -> dict:
+        return self._mx.load(path)
+
     @property
     def asynchronous(self) -> bool:
         # Metal runs queued work while the host builds the next graph. On the CPU, drafting

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from speculant.backends.mlx import compiled, families, layout, split, static
+from speculant.backends.mlx import compiled, families, layout, prefix, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
 from speculant.backends.mlx.tree import commit_path, rope_problem, tree_forward
@@ -205,6 +205,15 @@ class MLXTarget(TargetModel):
                 c.trim(excess)
             self._length = length
         forget_all(self.cache)
+
+    def snapshot(self):
+        return prefix.snapshot_caches(self.cache, self._length)
+
+    def restore(self, snapshot, length: int) -> bool:
+        prefix.restore_caches(self.cache, snapshot, length)
+        self._length = length
+        forget_all(self.cache)
+        return True
 
     # -- forwards --------------------------------------------------------------------------
     def _run(self, ids: mx.array, capture: Capture, compiled: bool = True,

@@ -79,6 +79,21 @@ class TorchBackend(Backend):
     def int_array(self, values):
         return self._torch.tensor(list(values), dtype=self._torch.long, device=self._device)
 
+    writes_arrays = True
+
+    def is_array(self, value) -> bool:
+        return isinstance(value, self._torch.Tensor)
+
+    def save_arrays(self, path: str, arrays: dict) -> None:
+        from safetensors.torch import save_file
+
+        save_file({name: a.detach().clone().contiguous() for name, a in arrays.items()}, path)  # no shared storage
+
+    def load_arrays(self, path: str) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(path, device=str(self._device))
+
     @property
     def asynchronous(self) -> bool:
         return self._device.type in ("cuda", "mps")  # CPU ops run before they return

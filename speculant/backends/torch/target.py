@@ -11,7 +11,7 @@ import torch
 
 from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, StaticKV, compile_problem, static_rows, wants_compile
 from speculant.backends.torch.loading import logit_transform
-from speculant.backends.torch import layouts
+from speculant.backends.torch import layouts, prefix
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
 from speculant.backends.torch.tree import commit_path, install_tree_conv, tree_mask, tree_nodes
@@ -300,6 +300,23 @@ class TorchTarget(TargetModel):
 
     def _argmax_step(self, token: torch.Tensor) -> torch.Tensor:
         return torch.argmax(self.forward(token).logits[-1:], dim=-1)
+
+    def snapshot(self):
+        """A copy of the eager or the static cache (prefix.py)."""
+        if self._on_static:
+            return prefix.snapshot_static(self._static)
+        return prefix.snapshot_cache(self.cache, self.cache_length)
+
+    def restore(self, snapshot, length: int) -> bool:
+        """Each path restores its own snapshots only (a request after a failed compile runs cold)."""
+        if self._on_static:
+            if not self._static.fits(length):
+                self._outgrown(length)
+            return self._on_static and prefix.restore_static(self._static, snapshot, length)
+        if not isinstance(snapshot.state, RollbackCache):
+            return False
+        self.cache = prefix.restored_cache(snapshot, length)  # outside inference mode, as reset() builds it
+        return True
 
     @torch.inference_mode()
     def crop(self, length: int) -> None:

@@ -1,0 +1,154 @@
+"""One request's use of the engine's prefix store (:mod:`speculant.core.prefix_cache`).
+
+Before the prefill it restores the longest stored prefix of the prompt into the target's caches,
+so only the rest is prefilled. The drafter is then started as on a cold request: from the stored
+captured rows of the prefix joined to the prefill's own (DFlash's pending context features, MTP's
+final hidden states), so every drafter resumes through its own ``prefill`` and none needs a
+snapshot protocol of its own. After the prefill, and again when the request ends, it stores a
+snapshot of the target's caches with the captured rows of every cached position.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+from speculant.core.interfaces import TargetModel
+from speculant.core.prefix_cache import PrefixEntry
+from speculant.core.types import Array, Capture, ForwardOutput
+
+if TYPE_CHECKING:
+    from speculant.core.engine import Engine
+
+CHECKPOINT_MIN = 16  # shared tokens worth a snapshot of their own (one more prefill chunk and copy)
+# stop reasons after which the caches hold exactly the committed rows (no half-run forward)
+_CLEAN_STOPS = frozenset({"eos", "max_new_tokens", "stop_string", "context_length", "cancelled"})
+
+
+class PrefixRequest:
+    """Restore before the prefill, store after it and at the end; ``cached_tokens`` restored."""
+
+    def __init__(self, engine: "Engine", prompt_ids: Sequence[int], capture: Capture) -> None:
+        self.engine = engine
+        self.store = engine.prefix_store
+        self.prompt = tuple(int(t) for t in prompt_ids)
+        self.capture = capture
+        self.key: Hashable = state_key(engine, capture)
+        # a target that takes no snapshots (the interface's default) leaves the store alone
+        self.active = self.store.enabled and type(engine.target).snapshot is not TargetModel.snapshot
+        self.cached_tokens = 0
+        self._features: list[Array] = []  # captured rows of every cached position, in order
+        self._final: list[Array] = []
+        self._complete = True  # every cached position's rows were captured
+
+    # -- the prefill ------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Put the longest stored prefix of the prompt into the target's caches; its length."""
+        if not self.active:
+            return 0
+        found = self.store.lookup(self.key, self.prompt)
+        if found is None:
+            return 0
+        entry, length = found
+        if not self.engine.target.restore(entry.snapshot, length):
+            return 0
+        self.cached_tokens = length
+        self._features = [] if entry.features is None else [entry.features[:length]]
+        self._final = [] if entry.final_hidden is None else [entry.final_hidden[:length]]
+        return length
+
+    def prefill(self, start: int) -> ForwardOutput:
+        """Prefill the prompt after the ``start`` restored tokens; the output over the whole prompt
+        (the restored rows, then the prefill's). Where an earlier prompt shared more of this one
+        than the store could restore and the target's snapshots cannot be cut (sliding windows,
+        Gated DeltaNet), the prefill stops once at the shared prefix's end to store a snapshot
+        there, which later prompts sharing it (an agent's system prompt) resume from."""
+        target, prompt = self.engine.target, self.prompt
+        if not self.active:
+            return target.prefill(prompt, self.capture)
+        split = self._checkpoint(start)
+        self.store.remember(self.key, prompt)
+        bounds = [start, len(prompt)] if split is None else [start, split, len(prompt)]
+        for a, b in zip(bounds, bounds[1:]):
+            out = target.prefill(prompt[a:b], self.capture)
+            self._take(out, b - a)
+            if b == split:
+                self._store(prompt[:split])
+        ops = self.engine.backend.ops
+        self._features, self._final = _compacted(ops, self._features), _compacted(ops, self._final)
+        return ForwardOutput(out.logits, _first(self._features), _first(self._final))
+
+    def _checkpoint(self, start: int) -> int | None:
+        shared = self.store.shared_prefix(self.key, self.prompt)
+        if shared - start < CHECKPOINT_MIN or self.store.cuttable(self.key):
+            return None  # a cut-able snapshot serves any prefix already
+        return shared
+
+    def prompt_done(self) -> None:
+        """Store the prompt's snapshot (called once the first token is out, so that the copy is
+        not part of the time to first token; the caches still hold the prompt alone)."""
+        if self.active:
+            self._store(self.prompt)
+
+    # -- while decoding --------------------------------------------------------------------
+    def committed(self, out: ForwardOutput, rows: int) -> None:
+        """A cycle's first ``rows`` rows (anchor and accepted drafts) are now in the caches."""
+        if self.active:
+            self._take(out, rows)
+
+    def finished(self, produced: Sequence[int], stop_reason: str) -> None:
+        """Store the caches as the request leaves them: the prompt and what was produced,
+        less the last token (not yet run through the target)."""
+        if not self.active or stop_reason not in _CLEAN_STOPS:
+            return
+        tokens = self.prompt + tuple(int(t) for t in produced)
+        # a stop inside the last block leaves rows past the emitted tokens: only a cut target drops them
+        self._store(tokens[: self.engine.target.cache_length])
+
+    # -- internals -------------------------------------------------------------------------
+    def _take(self, out: ForwardOutput, rows: int) -> None:
+        wanted = (bool(self.capture.layer_ids), self.capture.final_hidden is not None)
+        got = (out.features is not None, out.final_hidden is not None)
+        if wanted != got:  # the request stopped capturing (past the verifier's max_context)
+            self._complete = False
+            return
+        if out.features is not None:
+            self._features.append(out.features[:rows])
+        if out.final_hidden is not None:
+            self._final.append(out.final_hidden[:rows])
+
+    def _store(self, tokens: tuple[int, ...]) -> None:
+        if not self._complete or len(tokens) < 2:
+            return
+        snapshot = self.engine.target.snapshot()
+        if snapshot is None:  # this target cannot snapshot (e.g. a compiled static cache)
+            self.active = False
+            return
+        if len(tokens) < snapshot.length and not snapshot.cuttable:
+            return
+        ops = self.engine.backend.ops
+        self._features = _compacted(ops, self._features)
+        self._final = _compacted(ops, self._final)
+        entry = PrefixEntry(tokens, snapshot, _rows(_first(self._features), len(tokens)),
+                            _rows(_first(self._final), len(tokens)))
+        self.store.store(self.key, entry)
+
+
+def state_key(engine: "Engine", capture: Capture) -> tuple:
+    """What must agree, besides the tokens, for a stored prefix to serve a request: the backend,
+    device, target and dtype, and the rows captured for the drafter (the layers it taps). The
+    drafter's own state is rebuilt from those rows, so its kind and windows need not agree."""
+    backend = engine.backend
+    return (backend.name, str(backend.device), str(engine.target.info.path), backend.dtype_name,
+            tuple(capture.layer_ids), capture.final_hidden)
+
+
+def _rows(array: Array | None, n: int) -> Array | None:
+    return None if array is None else array[:n]
+
+
+def _first(arrays: list[Array]) -> Array | None:
+    return arrays[0] if arrays else None
+
+
+def _compacted(ops, arrays: list[Array]) -> list[Array]:
+    return arrays if len(arrays) <= 1 else [ops.concatenate(arrays, axis=0)]

@@ -1,0 +1,74 @@
+"""A multi-turn conversation over one engine (``engine.session()``).
+
+Each turn sends the whole conversation so far, as a chat client would; the engine's prefix cache
+(:mod:`speculant.core.prefix_cache`) restores what the earlier turns left in the caches, so only
+the new part is prefilled. Two ways to hold the conversation:
+
+- ``say(text)`` / ``stream(text)``: chat messages, rendered by the tokenizer's chat template each
+  turn. A full-attention target reuses every token up to the first one the template renders
+  differently; a target with sliding windows or Gated DeltaNet states resumes from the end of the
+  previous turn's prompt (the template renders earlier turns the same way, so that prompt is a
+  prefix of the next).
+- ``extend(prompt_ids)``: token ids, appended to the conversation's ids (the earlier prompts and
+  every token produced); the next turn resumes at the end of the previous output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from speculant.core.errors import SettingError
+from speculant.core.types import Chunk
+
+if TYPE_CHECKING:
+    from speculant.core.engine import Engine, GenerationResult
+
+
+class Session:
+    """One conversation: its chat messages, or its token ids, and the engine that answers it."""
+
+    def __init__(self, engine: "Engine", system: str | None = None) -> None:
+        self.engine = engine
+        self.messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
+        self.token_ids: list[int] = []  # ids of the conversation held by ``extend``
+
+    def say(self, text: str, **settings: Any) -> "GenerationResult":
+        """Send a user message and return the whole reply (kept in ``messages``)."""
+        return _collected(self.stream(text, **settings))
+
+    def stream(self, text: str, **settings: Any) -> Iterator[Chunk]:
+        """Send a user message; yield the reply chunk by chunk (kept in ``messages`` once it ends)."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids = self.engine.tokenizer.encode(self._render(messages), add_special_tokens=False)
+        reply = []
+        with self.engine.generate(prompt_ids=ids, **settings) as generation:
+            for chunk in generation:
+                reply.append(chunk.text)
+                yield chunk
+        self.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
+
+    def extend(self, prompt_ids: Sequence[int], **settings: Any) -> "GenerationResult":
+        """Append ``prompt_ids`` to the conversation's ids and generate after them; the output's
+        ids are appended too, so the next call continues the conversation."""
+        return _collected(self.extend_stream(prompt_ids, **settings))
+
+    def extend_stream(self, prompt_ids: Sequence[int], **settings: Any) -> Iterator[Chunk]:
+        """:meth:`extend`, chunk by chunk (the ids are kept once the output ends)."""
+        ids = self.token_ids + [int(t) for t in prompt_ids]
+        with self.engine.generate(prompt_ids=ids, **settings) as generation:
+            yield from generation
+        self.token_ids = ids + generation.token_ids
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise SettingError("session: the target's tokenizer has no chat template; hold the conversation "
+                               "as token ids with session.extend(prompt_ids)", "prompt")
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _collected(chunks: Iterator[Chunk]) -> "GenerationResult":
+    from speculant.core.engine import GenerationResult
+
+    parts = list(chunks)
+    return GenerationResult("".join(c.text for c in parts), [t for c in parts for t in c.token_ids], parts[-1].stats)
