@@ -63,7 +63,7 @@ def test_a_spilled_snapshot_comes_back_with_cold_tokens(hybrid, cold, backend, t
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_damaged_spill_file_is_dropped_and_recomputed(hybrid, cold, backend, damage, tmp_path):
     e = spilled(hybrid, backend, tmp_path)
-    (file,) = tmp_path.glob("*.safetensors") if damage == "flipped byte" else tmp_path.glob("*.pickle")
+    (file,) = tmp_path.glob("*.safetensors") if damage == "flipped byte" else tmp_path.glob("*.structure.json")
     data = bytearray(file.read_bytes())
     if damage == "flipped byte":
         data[len(data) // 2] ^= 0xFF
@@ -87,3 +87,28 @@ def test_a_later_engine_reuses_the_directory_and_the_disk_budget_holds(hybrid, c
     tiny.prefix_store.max_bytes = tiny.prefix_store.bytes * 3 // 2
     run(tiny, OTHER, new=1)
     assert tiny.prefix_store.stats.spilled == 0 and not list((tmp_path / "tiny").iterdir())
+
+
+def test_a_structure_naming_another_class_is_refused_even_with_a_good_checksum(hybrid, cold, tmp_path):
+    """No pickle: a spill file that names a class outside the cache modules (here `os.system`,
+    with the record's checksum rewritten to match) is dropped, never called; the tokens are prefilled."""
+    import hashlib
+    import json
+
+    e = spilled(hybrid, "torch", tmp_path)
+    (structure,) = tmp_path.glob("*.structure.json")
+    structure.write_text(json.dumps({"object": "os:system", "attributes": {"dict": []}}))
+    (arrays,) = tmp_path.glob("*.safetensors")
+    record = structure.with_name(structure.name.replace(".structure.json", ".json"))
+    data = json.loads(record.read_text())
+    data["checksum"] = hashlib.sha256(arrays.read_bytes() + structure.read_bytes()).hexdigest()
+    record.write_text(json.dumps(data))
+    e.prefix_store.spill.records[record.stem].checksum = data["checksum"]
+    result = run(e, PROMPT)
+    assert result.stats.cached_tokens == 0 and e.prefix_store.spill.dropped == 1
+    assert result.token_ids == cold["torch"]
+    from speculant.core.prefix_disk import _allowed_class
+
+    with pytest.raises(ValueError, match="not a cache class"):
+        _allowed_class("subprocess:Popen")  # a class, but outside the allow-list: never built
+    assert _allowed_class("speculant.core.prefix_cache:CacheSnapshot").__name__ == "CacheSnapshot"

@@ -182,7 +182,7 @@ class PrefixCacheConfig(_Section):
     disk_dir: LaxPath | None = None
     """A directory that snapshots evicted from memory are spilled to (safetensors, checked by a
     checksum when read back), and that later processes reuse; unset: none are kept on disk. Its
-    files are loaded with pickle: use a directory only speculant writes to."""
+    files are JSON and safetensors, never pickle."""
     disk_max_bytes: int = Field(16 << 30, ge=0, le=PREFIX_BYTES_MAX)
     """Bytes the spilled snapshots' files may take in `disk_dir` (least recently used removed first)."""
 

@@ -2,20 +2,23 @@
 byte budget of their own, and brought back when a request can use them.
 
 One entry is three files named by a hash of its state key and tokens: ``NAME.safetensors`` (every
-array it holds, written by the backend), ``NAME.pickle`` (the rest of the snapshot's structure,
-the arrays replaced by their names) and ``NAME.json`` (the state key, the tokens, whether it can
-be cut, and the SHA-256 of the other two files). A file that was damaged or cut short fails the
-checksum and is dropped with its entry: the request prefills those tokens instead. The directory
-is rescanned at start, so later processes reuse it. Its pickles are loaded: use a directory only
-speculant (and you) write to.
+array it holds, written by the backend), ``NAME.structure.json`` (the rest of the snapshot's
+structure, the arrays replaced by their names) and ``NAME.json`` (the state key, the tokens,
+whether it can be cut, and the SHA-256 of the other two files). A file that was damaged or cut
+short fails the checksum and is dropped with its entry: the request prefills those tokens instead.
+The directory is rescanned at start, so later processes reuse it.
+
+Never pickle: the structure is JSON, and the only objects it rebuilds are instances of cache
+classes from an allow-list of modules (speculant's own, transformers' and mlx-lm's cache
+modules), made with ``cls.__new__`` and given back their attributes, so no code runs on load. A
+snapshot holding anything else is not spilled (it is dropped from memory instead).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
+import importlib
 import json
-import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,9 @@ from speculant.core.prefix_cache import PrefixEntry, PrefixStore
 if TYPE_CHECKING:
     from speculant.core.config import PrefixCacheConfig
 
-FORMAT = 1
+FORMAT = 2
+STRUCTURE = ".structure.json"
+ALLOWED_MODULES = ("speculant.", "transformers.cache_utils", "mlx_lm.models.cache")
 
 
 def prefix_store(config: "PrefixCacheConfig", backend: Any) -> PrefixStore:
@@ -74,12 +79,16 @@ class DiskTier:
 
     def put(self, key: Hashable, entry: PrefixEntry) -> bool:
         arrays: dict[str, Any] = {}
-        structure = _dumps((entry.tokens, entry.snapshot, entry.features, entry.final_hidden), arrays, self.backend)
+        try:
+            structure = json.dumps(_encode((entry.tokens, entry.snapshot, entry.features, entry.final_hidden),
+                                           arrays, self.backend))
+        except TypeError:  # a state this file format cannot hold: not spilled
+            return False
         name = hashlib.sha256(repr((key, entry.tokens)).encode()).hexdigest()[:32]
         base = self.directory / name
         self.backend.save_arrays(str(base) + ".safetensors", arrays)
-        (base.with_suffix(".pickle")).write_bytes(structure)
-        size = sum(_size(base, suffix) for suffix in (".safetensors", ".pickle"))
+        _path(base, STRUCTURE).write_text(structure)
+        size = sum(_size(base, suffix) for suffix in (".safetensors", STRUCTURE))
         if size > self.max_bytes:
             _remove(base)
             return False
@@ -107,7 +116,7 @@ class DiskTier:
             if _checksum(base) != record.checksum:
                 raise ValueError("checksum mismatch")
             arrays = self.backend.load_arrays(str(base) + ".safetensors")
-            tokens, snapshot, features, final = _loads(base.with_suffix(".pickle").read_bytes(), arrays)
+            tokens, snapshot, features, final = _decode(json.loads(_path(base, STRUCTURE).read_text()), arrays)
         except Exception:  # noqa: BLE001  damaged, cut short or gone: recompute those tokens
             with self._lock:
                 self._drop(record.name)
@@ -128,7 +137,8 @@ class DiskTier:
 
     def _scan(self) -> None:
         """Take in the entries an earlier process left (their checksums are checked on load)."""
-        for meta in sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime):
+        records = (p for p in self.directory.glob("*.json") if not p.name.endswith(STRUCTURE))
+        for meta in sorted(records, key=lambda p: p.stat().st_mtime):
             try:
                 data = json.loads(meta.read_text())
                 if data.get("format") != FORMAT:
@@ -140,52 +150,89 @@ class DiskTier:
                 _remove(meta.with_suffix(""))
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file, arrays: dict, backend: Any) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.arrays, self.backend = arrays, backend
-
-    def persistent_id(self, obj):
-        if self.backend.is_array(obj):
-            name = f"a{len(self.arrays)}"
-            self.arrays[name] = obj
-            return name
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, arrays: dict) -> None:
-        super().__init__(file)
-        self.arrays = arrays
-
-    def persistent_load(self, pid):
-        return self.arrays[pid]
-
-
-def _dumps(value: Any, arrays: dict, backend: Any) -> bytes:
-    buffer = io.BytesIO()
-    _Pickler(buffer, arrays, backend).dump(value)
-    return buffer.getvalue()
+def _encode(value: Any, arrays: dict, backend: Any) -> Any:
+    """JSON for ``value``: arrays by name (into ``arrays``), containers, scalars, and objects of
+    allowed cache classes as their class name and attributes; anything else is a TypeError."""
+    if backend.is_array(value):
+        name = f"a{len(arrays)}"
+        arrays[name] = value
+        return {"array": name}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return {"list" if isinstance(value, list) else "tuple": [_encode(v, arrays, backend) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[_encode(k, arrays, backend), _encode(v, arrays, backend)] for k, v in value.items()]}
+    cls = type(value)
+    if cls.__module__.startswith(ALLOWED_MODULES) and hasattr(value, "__dict__"):
+        return {"object": f"{cls.__module__}:{cls.__qualname__}", "attributes": _encode(vars(value), arrays, backend)}
+    if type(value).__name__ in ("dtype", "Dtype", "device"):  # torch / mlx dtypes and devices, by name
+        return {"named": f"{cls.__module__}:{value}"}
+    raise TypeError(f"cannot write a {cls.__module__}.{cls.__qualname__} to the disk tier")
 
 
-def _loads(data: bytes, arrays: dict) -> Any:
-    return _Unpickler(io.BytesIO(data), arrays).load()
+def _decode(value: Any, arrays: dict) -> Any:
+    if not isinstance(value, dict):
+        return value
+    if "array" in value:
+        return arrays[value["array"]]
+    if "list" in value or "tuple" in value:
+        items = [_decode(v, arrays) for v in value.get("list", value.get("tuple"))]
+        return items if "list" in value else tuple(items)
+    if "dict" in value:
+        return {_decode(k, arrays): _decode(v, arrays) for k, v in value["dict"]}
+    if "named" in value:
+        return _named(value["named"])
+    cls = _allowed_class(value["object"])
+    obj = cls.__new__(cls)
+    obj.__dict__.update(_decode(value["attributes"], arrays))
+    return obj
+
+
+def _allowed_class(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    if not module.startswith(ALLOWED_MODULES):
+        raise ValueError(f"{name}: not a cache class this file format may rebuild")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ValueError(f"{name} is not a class")
+    return obj
+
+
+def _named(name: str) -> Any:
+    """A torch or mlx dtype / device from its printed name (``torch:torch.float32``, ``torch:cpu``, ``mlx.core:mlx.core.float32``)."""
+    module, _, text = name.partition(":")
+    if module.startswith("torch"):
+        import torch
+
+        return getattr(torch, text.removeprefix("torch.")) if text.startswith("torch.") else torch.device(text)
+    if module.startswith("mlx"):
+        import mlx.core as mx
+
+        return getattr(mx, text.rsplit(".", 1)[-1])
+    raise ValueError(f"{name}: not a dtype or device this file format knows")
+
+
+def _path(base: Path, suffix: str) -> Path:
+    return base.with_name(base.name + suffix)
 
 
 def _checksum(base: Path) -> str:
     digest = hashlib.sha256()
-    for suffix in (".safetensors", ".pickle"):
-        digest.update(base.with_suffix(suffix).read_bytes())
+    for suffix in (".safetensors", STRUCTURE):
+        digest.update(_path(base, suffix).read_bytes())
     return digest.hexdigest()
 
 
 def _size(base: Path, suffix: str) -> int:
-    return base.with_suffix(suffix).stat().st_size
+    return _path(base, suffix).stat().st_size
 
 
 def _remove(base: Path) -> None:
-    for suffix in (".json", ".safetensors", ".pickle"):
-        base.with_suffix(suffix).unlink(missing_ok=True)
+    for suffix in (".json", ".safetensors", STRUCTURE):
+        _path(base, suffix).unlink(missing_ok=True)
 
 
 def _jsonable(value: Any) -> Any:
