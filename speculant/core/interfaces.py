@@ -213,6 +213,14 @@ class Backend(ABC):
         """Read a safetensors file written by ``save_arrays``, onto this backend's device."""
         raise NotImplementedError
 
+    def value_name(self, value: Any) -> str | None:
+        """A name for one of this backend's small values that caches hold (a dtype, a device), or None."""
+        return None
+
+    def named_value(self, name: str) -> Any:
+        """The value :meth:`value_name` named (an unknown name is a ValueError)."""
+        raise ValueError(f"{name!r}: not a value the {self.name} backend names")
+
     @property
     def asynchronous(self) -> bool:
         """Whether queued work runs on a device while the host goes on (a GPU), so that the host's

@@ -116,7 +116,8 @@ class DiskTier:
             if _checksum(base) != record.checksum:
                 raise ValueError("checksum mismatch")
             arrays = self.backend.load_arrays(str(base) + ".safetensors")
-            tokens, snapshot, features, final = _decode(json.loads(_path(base, STRUCTURE).read_text()), arrays)
+            tokens, snapshot, features, final = _decode(json.loads(_path(base, STRUCTURE).read_text()), arrays,
+                                                        self.backend)
         except Exception:  # noqa: BLE001  damaged, cut short or gone: recompute those tokens
             with self._lock:
                 self._drop(record.name)
@@ -163,29 +164,29 @@ def _encode(value: Any, arrays: dict, backend: Any) -> Any:
         return {"list" if isinstance(value, list) else "tuple": [_encode(v, arrays, backend) for v in value]}
     if isinstance(value, dict):
         return {"dict": [[_encode(k, arrays, backend), _encode(v, arrays, backend)] for k, v in value.items()]}
+    if (name := backend.value_name(value)) is not None:  # a dtype or device
+        return {"named": name}
     cls = type(value)
     if cls.__module__.startswith(ALLOWED_MODULES) and hasattr(value, "__dict__"):
         return {"object": f"{cls.__module__}:{cls.__qualname__}", "attributes": _encode(vars(value), arrays, backend)}
-    if type(value).__name__ in ("dtype", "Dtype", "device"):  # torch / mlx dtypes and devices, by name
-        return {"named": f"{cls.__module__}:{value}"}
     raise TypeError(f"cannot write a {cls.__module__}.{cls.__qualname__} to the disk tier")
 
 
-def _decode(value: Any, arrays: dict) -> Any:
+def _decode(value: Any, arrays: dict, backend: Any) -> Any:
     if not isinstance(value, dict):
         return value
     if "array" in value:
         return arrays[value["array"]]
     if "list" in value or "tuple" in value:
-        items = [_decode(v, arrays) for v in value.get("list", value.get("tuple"))]
+        items = [_decode(v, arrays, backend) for v in value.get("list", value.get("tuple"))]
         return items if "list" in value else tuple(items)
     if "dict" in value:
-        return {_decode(k, arrays): _decode(v, arrays) for k, v in value["dict"]}
+        return {_decode(k, arrays, backend): _decode(v, arrays, backend) for k, v in value["dict"]}
     if "named" in value:
-        return _named(value["named"])
+        return backend.named_value(value["named"])
     cls = _allowed_class(value["object"])
     obj = cls.__new__(cls)
-    obj.__dict__.update(_decode(value["attributes"], arrays))
+    obj.__dict__.update(_decode(value["attributes"], arrays, backend))
     return obj
 
 
@@ -199,20 +200,6 @@ def _allowed_class(name: str) -> type:
     if not isinstance(obj, type):
         raise ValueError(f"{name} is not a class")
     return obj
-
-
-def _named(name: str) -> Any:
-    """A torch or mlx dtype / device from its printed name (``torch:torch.float32``, ``torch:cpu``, ``mlx.core:mlx.core.float32``)."""
-    module, _, text = name.partition(":")
-    if module.startswith("torch"):
-        import torch
-
-        return getattr(torch, text.removeprefix("torch.")) if text.startswith("torch.") else torch.device(text)
-    if module.startswith("mlx"):
-        import mlx.core as mx
-
-        return getattr(mx, text.rsplit(".", 1)[-1])
-    raise ValueError(f"{name}: not a dtype or device this file format knows")
 
 
 def _path(base: Path, suffix: str) -> Path:

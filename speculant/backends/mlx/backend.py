@@ -95,6 +95,15 @@ class MLXBackend(Backend):
     def load_arrays(self, path: str) -> dict:
         return self._mx.load(path)
 
+    def value_name(self, value) -> str | None:
+        return str(value) if isinstance(value, self._mx.Dtype) else None  # mlx.core.float32
+
+    def named_value(self, name: str):
+        value = getattr(self._mx, name.removeprefix("mlx.core."), None) if name.startswith("mlx.core.") else None
+        if not isinstance(value, self._mx.Dtype):
+            raise ValueError(f"{name!r}: not an mlx dtype")
+        return value
+
     @property
     def asynchronous(self) -> bool:
         # Metal runs queued work while the host builds the next graph. On the CPU, drafting

@@ -94,6 +94,21 @@ class TorchBackend(Backend):
 
         return load_file(path, device=str(self._device))
 
+    def value_name(self, value) -> str | None:
+        torch = self._torch
+        if isinstance(value, torch.dtype):
+            return str(value)  # torch.float32
+        return f"device:{value}" if isinstance(value, torch.device) else None
+
+    def named_value(self, name: str):
+        torch = self._torch
+        if name.startswith("device:"):
+            return torch.device(name.removeprefix("device:"))
+        value = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"{name!r}: not a torch dtype or device")
+        return value
+
     @property
     def asynchronous(self) -> bool:
         return self._device.type in ("cuda", "mps")  # CPU ops run before they return
