@@ -13,7 +13,7 @@ from speculant.core.schema import COUNT_MAX, UserModel
 from speculant.core.tree import DraftTree
 from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
-from speculant.verifiers.tree import build_tree, top_candidates, tree_verify
+from speculant.verifiers.tree import draft_tree, tree_verify
 
 
 class TreeOptions(UserModel):
@@ -58,8 +58,7 @@ class TreeVerifier(Verifier):
             return None
         if self.choice is not None and self.choice.next() == "chain":
             return None
-        top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], self.width)
-        return build_tree(anchor_id, top_ids, top_logprobs, self.budget)
+        return draft_tree(ops, draft, anchor_id, self.budget, self.width)
 
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
@@ -93,36 +92,42 @@ class TreeVerifier(Verifier):
 
 
 class CostChoice:
-    """Tree or chain for the next drafted cycle, from the tokens each has emitted per second
-    (exponential moving averages over this engine's requests): each kind first runs ``WARMUP``
-    times, then the faster one runs, and the slower one every ``explore_every``-th cycle."""
+    """Which of ``arms`` (e.g. ``("tree", "chain")``) runs the next drafted cycle, from the tokens
+    each has emitted per second (exponential moving averages over this engine's requests): each
+    arm first runs ``WARMUP`` times, in order; then the fastest runs, and every
+    ``explore_every``-th cycle one of the slower ones (in turn), so their costs stay known. It
+    reads only finished cycles, so a choice never depends on the cycle it is made for."""
 
     WARMUP = 3
     ALPHA = 0.2  # weight of a new measurement
 
-    def __init__(self, explore_every: int) -> None:
+    def __init__(self, explore_every: int, arms: tuple[str, ...] = ("tree", "chain")) -> None:
         self.explore_every = explore_every
-        self.rate: dict[str, float | None] = {"tree": None, "chain": None}
-        self.measured = {"tree": 0, "chain": 0}
-        self.chosen = {"tree": 0, "chain": 0}
+        self.arms = arms
+        self.rate: dict[str, float | None] = {a: None for a in arms}
+        self.measured = {a: 0 for a in arms}
+        self.chosen = {a: 0 for a in arms}
         self.cycles = 0
+        self.explored = 0
 
     def next(self) -> str:
         self.cycles += 1
-        kind = next((k for k in ("tree", "chain") if self.measured[k] < self.WARMUP), None)
-        if kind is None:
-            faster = "tree" if self.rate["tree"] >= self.rate["chain"] else "chain"
-            slower = "chain" if faster == "tree" else "tree"
-            kind = slower if self.cycles % self.explore_every == 0 else faster
-        self.chosen[kind] += 1
-        return kind
+        arm = next((a for a in self.arms if self.measured[a] < self.WARMUP), None)
+        if arm is None:
+            ranked = sorted(self.arms, key=lambda a: -self.rate[a])  # stable: ties keep the arms' order
+            arm = ranked[0]
+            if self.cycles % self.explore_every == 0 and len(ranked) > 1:
+                self.explored += 1
+                arm = ranked[1 + (self.explored - 1) % (len(ranked) - 1)]
+        self.chosen[arm] += 1
+        return arm
 
-    def record(self, kind: str, emitted: int, seconds: float) -> None:
+    def record(self, arm: str, emitted: int, seconds: float) -> None:
         if seconds <= 0.0:
             return
-        rate, old = emitted / seconds, self.rate[kind]
-        self.rate[kind] = rate if old is None else old + self.ALPHA * (rate - old)
-        self.measured[kind] += 1
+        rate, old = emitted / seconds, self.rate[arm]
+        self.rate[arm] = rate if old is None else old + self.ALPHA * (rate - old)
+        self.measured[arm] += 1
 
     def as_dict(self) -> dict:
         return {"tokens_per_s": dict(self.rate), "chosen": dict(self.chosen)}
