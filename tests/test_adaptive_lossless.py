@@ -311,7 +311,8 @@ def test_prompt_lookup_copies_are_verified_whole_and_left_out_of_the_policy(engi
     exactly the drafter's and plain cycles."""
     from speculant.core.types import DraftSource
 
-    eng = engine(planted_pair["target"], planted_pair["draft"], verifier=VARIED, lookup=True)
+    # chains only: with trees (tests/test_tree_adaptive.py) a copy can be one path of a tree instead
+    eng = engine(planted_pair["target"], planted_pair["draft"], verifier={**VARIED, "tree": "off"}, lookup=True)
     whole, plan = [], eng.verifier.plan
 
     def record(draft, max_tokens, context_length):

@@ -119,3 +119,37 @@ def test_adaptive_tree_cycles_follow_the_target_at_temperature_0_8(real_pair):
         counts = {t: sum(p[0] == t for p in pairs) for t in firsts}
         expected = sum(counts[t] * reference_probs(logits[i], 0.8) for i, t in enumerate(firsts)) / len(pairs)
         assert gof_pvalue(np.array([p[1] for p in pairs]), expected) > 1e-3, arm
+
+
+# -- prompt lookup: the copy as one path of the tree ----------------------------------------------
+
+def lookup_engine(pair, verifier):
+    import speculant
+
+    drafter = {"kind": "dflash", "path": str(pair["dflash"]), "lookup": {"enabled": True, "min_match": 2}}
+    return speculant.load_engine({"backend": BACKEND, "target": {"path": str(pair["target"])},
+                                  "drafter": drafter, "verifier": verifier})
+
+
+def repetitive_prompt(pair) -> list[int]:
+    """The prompt, what the target says after it, then the prompt again: a copy of what followed
+    the prompt the first time is what the target says next."""
+    said = plain_tokens(pair["target"])[:24]
+    return PROMPT + said + PROMPT
+
+
+@pytest.mark.parametrize("verifier", [{"kind": "tree", "options": {"budget": 4, "width": 2}},
+                                      {"kind": "adaptive", "options": {**PINNED, "tree_budgets": [4]}}],
+                         ids=["tree", "adaptive"])
+def test_a_lookup_copy_is_a_path_of_the_tree_and_output_stays_plain(real_pair, verifier):
+    import speculant
+
+    prompt = repetitive_prompt(real_pair)
+    plain = speculant.load_engine({"backend": BACKEND, "target": {"path": str(real_pair["target"])}}).run(
+        prompt_ids=prompt, max_new_tokens=32, ignore_eos=True).token_ids
+    engine = lookup_engine(real_pair, verifier)
+    result = engine.run(prompt_ids=prompt, max_new_tokens=32, ignore_eos=True)
+    assert result.token_ids == plain
+    record = result.stats.verifier
+    record = record["tree"] if verifier["kind"] == "adaptive" else record
+    assert record["copy_branches"] > 0 and record["copy_nodes_accepted"] > 0, record

@@ -24,7 +24,7 @@ from typing import Any
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.sampling import inverse_cdf, target_probs
-from speculant.core.tree import DraftTree
+from speculant.core.tree import DraftTree, with_branch
 from speculant.core.types import Draft, SamplingParams, Verification
 from speculant.verifiers.acceptance import _raise_non_finite, fetch, verify_rows
 
@@ -72,10 +72,13 @@ def build_tree(anchor_id: int, top_ids: list[list[int]], top_logprobs: list[list
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def draft_tree(ops: ArrayOps, draft: Draft, anchor_id: int, budget: int, width: int) -> DraftTree:
-    """The tree of ``draft``'s per-position distributions (``draft.logits``, which must be set)."""
+def draft_tree(ops: ArrayOps, draft: Draft, anchor_id: int, budget: int, width: int) -> tuple[DraftTree, list[int]]:
+    """The tree of ``draft``'s per-position distributions (``draft.logits``, which must be set),
+    with its prompt-lookup copy (``draft.branch_ids``) as one more path; and the nodes only the
+    copy proposed (beyond the budget)."""
     top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], width)
-    return build_tree(anchor_id, top_ids, top_logprobs, budget)
+    tree = build_tree(anchor_id, top_ids, top_logprobs, budget)
+    return with_branch(tree, draft.branch_ids) if draft.branch_ids else (tree, [])
 
 
 def tree_verify(

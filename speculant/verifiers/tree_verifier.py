@@ -49,16 +49,29 @@ class TreeVerifier(Verifier):
         self._stats = TreeStats()
         self.choice = CostChoice(settings.explore_every) if settings.choose == "measured" else None
         self.needs_timings = self.choice is not None  # the choice compares measured seconds
+        self._next: str | None = None  # a kind decided by tree_next, for tree()
+        self._copy_nodes: list[int] = []
+        self._copy_chain = False
 
     def begin(self, context_length: int) -> None:
         self._stats = TreeStats()  # the statistics are each request's own
 
+    def tree_next(self) -> bool:
+        if self.fallback is not None:
+            return False
+        self._next = "tree" if self.choice is None else self.choice.next()
+        return self._next == "tree"
+
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+        decided, self._next = self._next, None
+        # chain chosen beside a copy: the copy is this cycle's chain, measured as one
+        self._copy_chain = decided == "chain" and draft.source is DraftSource.LOOKUP
         if self.fallback is not None or draft.logits is None or draft.num_tokens < 1:
             return None
-        if self.choice is not None and self.choice.next() == "chain":
+        if (decided or (self.choice.next() if self.choice is not None else "tree")) == "chain":
             return None
-        return draft_tree(ops, draft, anchor_id, self.budget, self.width)
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budget, self.width)
+        return tree
 
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
@@ -67,14 +80,15 @@ class TreeVerifier(Verifier):
     def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                     rng: Any) -> Verification:
         verification = tree_verify(ops, tree, target_logits, sampling, rng)
-        self._stats.record(tree, verification.path)
+        self._stats.record(tree, verification.path, self._copy_nodes)
         return verification
 
     def tree_refused(self, reason: str) -> None:
         self.fallback = reason
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
-        if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP):
+        copy_chain, self._copy_chain = self._copy_chain, False
+        if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP and not copy_chain):
             return
         kind = "tree" if verification.path else "chain"
         if kind == "chain":
@@ -143,9 +157,14 @@ class TreeStats:
         self.nodes_verified = 0
         self.accepted_depths: list[int] = []
         self.branch_used_per_depth: list[int] = []
+        self.copy_branches = 0
+        self.copy_nodes_accepted = 0
 
-    def record(self, tree: DraftTree, path: tuple[int, ...]) -> None:
+    def record(self, tree: DraftTree, path: tuple[int, ...], copy_nodes: list[int] = ()) -> None:
+        """``copy_nodes``: the nodes only a prompt-lookup copy proposed."""
         self.trees += 1
+        self.copy_branches += int(bool(copy_nodes))
+        self.copy_nodes_accepted += len(set(path) & set(copy_nodes))
         self.nodes_verified += tree.size
         self.accepted_depths.append(len(path) - 1)
         children = tree.children()
@@ -163,4 +182,6 @@ class TreeStats:
             "nodes_verified": self.nodes_verified,
             "mean_accepted_depth": sum(depths) / len(depths) if depths else 0.0,
             "branch_used_per_depth": list(self.branch_used_per_depth),
+            "copy_branches": self.copy_branches,
+            "copy_nodes_accepted": self.copy_nodes_accepted,
         }

@@ -34,15 +34,28 @@ class TreeArms:
         self.arm: str | None = None  # this cycle's, from plan() to observe()
         self.host_s = 0.0
         self.depth = 0  # the last tree's deepest node
+        self.preset: str | None = None  # an arm chosen before drafting (tree_next), for choose()
+        self._copy_nodes: list[int] = []
 
     def begin(self) -> None:
         self.stats, self.arm = TreeStats(), None
 
-    def choose(self, draft: Draft) -> str | None:
-        """This drafted cycle's arm, or None when no tree can be built (no per-position
-        distributions, a lookup copy, a target without tree forwards)."""
-        eligible = self.fallback is None and draft.logits is not None and draft.source is DraftSource.MODEL
-        self.arm = self.choice.next() if eligible and draft.num_tokens >= 1 else None
+    def choose_early(self) -> bool:
+        """Before drafting, beside a prompt-lookup copy: choose the arm now; True for a tree."""
+        self.preset = None if self.fallback is not None else self.choice.next()
+        return self.preset is not None and self.preset != CHAIN
+
+    def choose(self, draft: Draft | None) -> str | None:
+        """This drafted cycle's arm (the early one if made; a copy is the chain beside it), or None when no tree can be built (no
+        per-position distributions, a lookup copy, a target without tree forwards, no speculation:
+        ``draft`` None)."""
+        preset, self.preset = self.preset, None
+        if preset == CHAIN and draft is not None and draft.source is DraftSource.LOOKUP:
+            self.arm = CHAIN  # chosen beside a copy: the copy is this cycle's chain, measured as one
+            return self.arm
+        eligible = (draft is not None and self.fallback is None and draft.logits is not None
+                    and draft.source is DraftSource.MODEL and draft.num_tokens >= 1)
+        self.arm = (preset or self.choice.next()) if eligible else None
         self.host_s = 0.0
         return self.arm
 
@@ -54,7 +67,7 @@ class TreeArms:
         if not self.tree_chosen or draft.logits is None:
             return None
         start = time.perf_counter()
-        tree = draft_tree(ops, draft, anchor_id, self.budgets[self.arm], self.width)
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budgets[self.arm], self.width)
         self.depth = max(tree.depths)
         self.host_s += time.perf_counter() - start
         return tree
@@ -64,7 +77,7 @@ class TreeArms:
         start = time.perf_counter()
         verification = tree_verify(ops, tree, target_logits, sampling, rng)
         self.host_s += time.perf_counter() - start
-        self.stats.record(tree, verification.path)
+        self.stats.record(tree, verification.path, self._copy_nodes)
         return verification
 
     def observe(self, verification: Verification, submitted: int, seconds: float) -> None:

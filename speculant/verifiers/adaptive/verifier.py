@@ -80,12 +80,13 @@ class AdaptiveVerifier(Verifier):
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
-        if draft.source == DraftSource.LOOKUP:  # a copy: verified whole, outside the policy
-            return min(draft.num_tokens, max_tokens)
-        if self.trees is not None and self.policy.speculating(max_tokens, context_length) and draft.num_tokens:
-            self.trees.choose(draft)  # from finished cycles only, like the width below
+        if self.trees is not None:  # the arm: from finished cycles only, like the width below
+            copy = draft.source is DraftSource.LOOKUP
+            self.trees.choose(draft if copy or self.policy.speculating(max_tokens, context_length) else None)
             if self.trees.tree_chosen:  # the tree's budget bounds it, not the chain's width
                 return min(draft.num_tokens, max_tokens)
+        if draft.source == DraftSource.LOOKUP:  # a copy: verified whole, outside the policy
+            return min(draft.num_tokens, max_tokens)
         # A sampled draft's confidence is its own q(x_i): choosing whether to verify x_i from the
         # value x_i took biases the output (with q = (.5, .5), p = (.9, .1) and "verify x only
         # when x = 0", token 0 comes out 95 % of the time). Widths then come from history alone;
@@ -106,6 +107,9 @@ class AdaptiveVerifier(Verifier):
         self._verify_s = time.perf_counter() - start
         return verification
 
+    def tree_next(self) -> bool:
+        return self.trees is not None and self.policy.mode is Mode.SPECULATE and self.trees.choose_early()
+
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
         return None if self.trees is None else self.trees.tree(ops, draft, anchor_id)
 
@@ -118,11 +122,11 @@ class AdaptiveVerifier(Verifier):
             self.trees.fallback = reason
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
-        if timing is not None and timing.source == DraftSource.LOOKUP:
-            return  # a copy says nothing about the drafter's acceptance, nor about this policy's choices
         if self.trees is not None:
             seconds = 0.0 if timing is None else timing.target_s + timing.draft_s + timing.commit_s
             self.trees.observe(verification, submitted, seconds + (0.0 if verification.path else self._verify_s))
+        if timing is not None and timing.source == DraftSource.LOOKUP:
+            return  # a copy says nothing about the drafter's acceptance, nor about this policy's choices
         if verification.path:
             action = self.policy.tree_done(verification.token_ids)
         else:
