@@ -153,3 +153,16 @@ def test_a_lookup_copy_is_a_path_of_the_tree_and_output_stays_plain(real_pair, v
     record = result.stats.verifier
     record = record["tree"] if verifier["kind"] == "adaptive" else record
     assert record["copy_branches"] > 0 and record["copy_nodes_accepted"] > 0, record
+
+
+def test_a_copy_path_shares_the_nodes_it_has_in_common_and_appends_the_rest():
+    from speculant.core.tree import DraftTree, with_branch
+
+    tree = DraftTree((9, 1, 2, 3), (-1, 0, 0, 1))  # root 9; children 1, 2; 1 -> 3
+    merged, added = with_branch(tree, [1, 3, 5, 6])
+    assert merged.tokens[:4] == tree.tokens and merged.parents[:4] == tree.parents
+    assert added == [4, 5] and merged.tokens[4:] == (5, 6) and merged.parents[4:] == (3, 4)
+    assert [merged.tokens[n] for n in merged.path_to(5)] == [9, 1, 3, 5, 6]
+    merged, added = with_branch(tree, [4])  # off the root
+    assert added == [4] and merged.parents[4] == 0
+    assert with_branch(tree, [2])[1] == []  # already a path: nothing added
