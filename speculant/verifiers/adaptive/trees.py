@@ -38,7 +38,7 @@ class TreeArms:
         self._copy_nodes: list[int] = []
 
     def begin(self) -> None:
-        self.stats, self.arm = TreeStats(), None
+        self.stats, self.arm, self.preset = TreeStats(), None, None
 
     def choose_early(self) -> bool:
         """Before drafting, beside a prompt-lookup copy: choose the arm now; True for a tree."""
@@ -46,17 +46,17 @@ class TreeArms:
         return self.preset is not None and self.preset != CHAIN
 
     def choose(self, draft: Draft | None) -> str | None:
-        """This drafted cycle's arm (the early one if made; a copy is the chain beside it), or None when no tree can be built (no
-        per-position distributions, a lookup copy, a target without tree forwards, no speculation:
-        ``draft`` None)."""
+        """This drafted cycle's arm (the early one if made; a copy is then the chain beside it), or
+        None when no tree can be built (no per-position distributions, a lookup copy, a target
+        without tree forwards, no speculation: ``draft`` None)."""
         preset, self.preset = self.preset, None
+        self.host_s = 0.0
         if preset == CHAIN and draft is not None and draft.source is DraftSource.LOOKUP:
             self.arm = CHAIN  # chosen beside a copy: the copy is this cycle's chain, measured as one
             return self.arm
         eligible = (draft is not None and self.fallback is None and draft.logits is not None
                     and draft.source is DraftSource.MODEL and draft.num_tokens >= 1)
         self.arm = (preset or self.choice.next()) if eligible else None
-        self.host_s = 0.0
         return self.arm
 
     @property
