@@ -73,21 +73,23 @@ def test_tree_options_are_checked():
 
 torch = pytest.importorskip("torch")
 
-from test_tree_engine import PROMPT, BACKEND, plain_tokens, real_pair  # noqa: E402,F401
+from test_tree_engine import (BACKEND, BACKEND_PARAMS, PROMPT, backend_config, plain_tokens,  # noqa: E402,F401
+                              real_pair)
 
 
-def adaptive_engine(pair, **options):
+def adaptive_engine(pair, backend="torch", **options):
     import speculant
 
     verifier = {"kind": "adaptive", "options": {**PINNED, "tree_budgets": [4, 8], "tree_width": 3,
                                                 "tree_explore_every": 2, **options}}
-    return speculant.load_engine({"backend": BACKEND, "target": {"path": str(pair["target"])},
+    return speculant.load_engine({"backend": backend_config(backend), "target": {"path": str(pair["target"])},
                                   "drafter": {"kind": "dflash", "path": str(pair["dflash"])}, "verifier": verifier})
 
 
-def test_adaptive_with_trees_equals_plain_greedy(real_pair):
-    plain = plain_tokens(real_pair["target"])
-    engine = adaptive_engine(real_pair)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_adaptive_with_trees_equals_plain_greedy(real_pair, backend):
+    plain = plain_tokens(real_pair["target"], backend)
+    engine = adaptive_engine(real_pair, backend)
     for _ in range(2):  # the choice carries over between requests
         result = engine.run(prompt_ids=PROMPT, max_new_tokens=len(plain), ignore_eos=True)
         assert result.token_ids == plain
