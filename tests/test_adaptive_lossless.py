@@ -157,11 +157,13 @@ class Recorder:
         self.events = []
         target, verifier, drafter = eng.target, eng.verifier, eng.drafter
         self._wrap(target, "forward", lambda args: ("forward", target.cache_length))
+        self._wrap(target, "forward_tree", lambda args: ("forward", target.cache_length))  # a tree cycle's
         self._wrap(drafter, "propose", lambda args: ("propose", args[0].position))
         self._wrap(drafter, "commit", lambda args: ("commit", args[1]))
         self._wrap(verifier, "wants_draft", lambda args: ("wants_draft", args[1]))
         self._wrap(verifier, "plan", lambda args: ("plan", args[2], target.cache_length, args[0]))
         self._wrap(verifier, "verify", lambda args: ("verify",))
+        self._wrap(verifier, "verify_tree", lambda args: ("verify",))
         self._wrap(verifier, "observe", lambda args: ("observe", args[1]))
 
     def _wrap(self, obj, name, describe):
@@ -309,7 +311,8 @@ def test_prompt_lookup_copies_are_verified_whole_and_left_out_of_the_policy(engi
     exactly the drafter's and plain cycles."""
     from speculant.core.types import DraftSource
 
-    eng = engine(planted_pair["target"], planted_pair["draft"], verifier=VARIED, lookup=True)
+    # chains only: with trees (tests/test_tree_adaptive.py) a copy can be one path of a tree instead
+    eng = engine(planted_pair["target"], planted_pair["draft"], verifier={**VARIED, "tree": "off"}, lookup=True)
     whole, plan = [], eng.verifier.plan
 
     def record(draft, max_tokens, context_length):

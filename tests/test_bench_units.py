@@ -166,6 +166,28 @@ def test_expand_collapses_plain_axes_and_keys_are_stable(tmp_path):
     assert expand(cfg, {str(cfg.targets[0].path): "other"})[0][0].key != cells[0].key
 
 
+def test_tree_budget_and_width_are_axes_of_the_tree_verifier_only(tmp_path):
+    from speculant.bench.engines import engine_config
+
+    target = _target(tmp_path)
+    cfg = BenchConfig.load({
+        "target": str(target), "draft": str(tmp_path / "d"),
+        "matrix": {"drafters": ["dflash"], "block_sizes": [8], "verifiers": ["auto", "tree"],
+                   "tree_budgets": [8, 32], "tree_widths": [2, 4], "sampling": ["greedy"], "max_new_tokens": [11],
+                   "workloads": ["code"]}})
+    cells, _ = expand(cfg)
+    trees = [c for c in cells if c.verifier == "tree"]
+    assert len(cells) == 5 and {(c.tree_budget, c.tree_width) for c in trees} == {(8, 2), (8, 4), (32, 2), (32, 4)}
+    assert len({c.key for c in cells}) == 5 and "tree B32 K2" in {c.label.split(" | ")[2] for c in trees}
+    auto = next(c for c in cells if c.verifier == "auto")
+    assert auto.tree_budget is None and "tree_budget" not in auto.model_dump(exclude_none=True)
+    config = engine_config(trees[-1], speculative=True).verifier
+    assert config.kind == "tree" and config.options == {"budget": 32, "width": 4}
+    assert engine_config(auto, speculative=True).verifier.options == {}
+    with pytest.raises(Exception, match="tree budgets"):
+        BenchConfig.load({"target": str(target), "matrix": {"tree_budgets": [0]}})
+
+
 def test_expand_notes_scaled_context_lengths(tmp_path):
     cfg = BenchConfig.load({"target": str(_target(tmp_path, window=1024)), "matrix": {
         "drafters": ["none"], "context_lengths": ["4k", "8k"], "max_new_tokens": [23]}})

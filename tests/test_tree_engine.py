@@ -193,22 +193,46 @@ def test_a_hybrid_commit_that_keeps_the_wrong_nodes_state_breaks_greedy_identity
     assert run(planted(path, [[PROMPT, plain]], TREE, backend)).token_ids != plain  # a sibling's inputs and state
 
 
-@pytest.mark.mlx
-def test_a_compiled_static_path_verifies_chains_and_says_why(targets):
-    """MLX's whole compiled forward (backend.compile = auto on the CPU) runs over a static cache
-    that takes no tree: the tree verifier verifies chains there, with the reason."""
-    path = targets("qwen3")
-    plain = plain_tokens(path, "mlx")
-    drafter = {"kind": "planted", "options": {"script": [[PROMPT, plain]], "mistakes": MISTAKES}, "block_size": 8}
+def compiled_engine(path, script, verifier=TREE):
+    drafter = {"kind": "planted", "options": {"script": script, "mistakes": MISTAKES}, "block_size": 8}
     config = {"backend": {**backend_config("mlx"), "compile": "auto"}, "target": {"path": str(path)},
-              "drafter": drafter, "verifier": TREE}
+              "drafter": drafter, "verifier": verifier}
     engine = load_engine(config, registry=registry_with_planted())
     if not engine.target.compiles_whole:
         pytest.skip(f"the whole forward is not compiled here: {engine.target.fast_path}")
-    result = run(engine)
+    return engine
+
+
+def compiled_plain(path) -> list[int]:
+    engine = load_engine({"backend": {**backend_config("mlx"), "compile": "auto"}, "target": {"path": str(path)}})
+    return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids
+
+
+@pytest.mark.mlx
+def test_trees_over_the_compiled_static_path_equal_plain_greedy(targets, monkeypatch):
+    """MLX's whole compiled forward (backend.compile = auto on the CPU) runs a tree eagerly over its
+    static full-attention buffers: greedy output equals plain greedy (on the same path), with
+    branches used; a commit that keeps the first child's rows breaks it."""
+    path = targets("qwen3")
+    plain = compiled_plain(path)
+    result = run(compiled_engine(path, [[PROMPT, plain]]))
     assert result.token_ids == plain
     record = result.stats.verifier
-    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "backend.compile" in record["fallback"]
+    assert record["trees"] > 0 and "fallback" not in record and sum(record["branch_used_per_depth"]) > 0, record
+    monkeypatch.setattr(GATHER, "keep", lambda tree, accepted: [0] + [min(tree.children()[tree.parents[n]].values())
+                                                                      for n in accepted[1:]])
+    assert run(compiled_engine(path, [[PROMPT, plain]])).token_ids != plain
+
+
+@pytest.mark.mlx
+def test_a_compiled_static_path_with_sliding_rings_verifies_chains_and_says_why(targets):
+    """Sliding-window rings of the static cache take no tree yet: chains, with the reason."""
+    path = targets("mistral")
+    plain = compiled_plain(path)
+    result = run(compiled_engine(path, [[PROMPT, plain]]))
+    assert result.token_ids == plain
+    record = result.stats.verifier
+    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "sliding-window rings" in record["fallback"]
 
 
 def test_the_validator_warns_when_a_backend_takes_no_tree(tmp_path):
@@ -257,6 +281,22 @@ def test_dflash_and_dflash2_trees_equal_plain_greedy(real_pair, kind, backend):
     assert result.token_ids == plain
     record = result.stats.verifier
     assert record["trees"] > 0 and record["mean_accepted_depth"] > 0, record
+
+
+@pytest.mark.mlx
+def test_dflash_trees_over_mlx_compiled_static_path_equal_plain_greedy(real_pair):
+    backend = {**backend_config("mlx"), "compile": "auto"}
+    target = {"path": str(real_pair["target"])}
+    plain = load_engine({"backend": backend, "target": target}).run(prompt_ids=PROMPT, max_new_tokens=NEW,
+                                                                    ignore_eos=True).token_ids
+    engine = speculant.load_engine({"backend": backend, "target": target,
+                                    "drafter": {"kind": "dflash", "path": str(real_pair["dflash"])},
+                                    "verifier": {"kind": "tree", "options": {"budget": 16, "width": 3}}})
+    if not engine.target.compiles_whole:
+        pytest.skip(f"the whole forward is not compiled here: {engine.target.fast_path}")
+    result = run(engine)
+    assert result.token_ids == plain
+    assert result.stats.verifier["trees"] > 0 and "fallback" not in result.stats.verifier
 
 
 def test_a_measured_choice_between_tree_and_chain_stays_identical_to_plain(real_pair):

@@ -53,6 +53,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser] | None = None) -
     g.add_argument("--workloads", metavar="LIST", help="built-in names (code, math, chat) or prompt files")
     g.add_argument("--sampling", metavar="LIST", help="';'-separated: greedy;T=0.7,p=0.95,k=20")
     g.add_argument("--verifiers", metavar="LIST", help="auto, greedy, speculative_sampling, ...")
+    g.add_argument("--tree-budgets", metavar="LIST", help="with the tree verifier: nodes per tree, e.g. 8,32")
+    g.add_argument("--tree-widths", metavar="LIST", help="with the tree verifier: candidates per depth, e.g. 2,4")
     g.add_argument("--quantization", metavar="LIST", help="draft quantization: off, w4, w8:gs32, ...")
     g.add_argument("--backend", metavar="LIST", help="kind[:device[:dtype]], e.g. torch:cpu:float32,mlx")
     m = p.add_argument_group("measurement and output")
@@ -92,7 +94,8 @@ def build_config(args: argparse.Namespace, say=print) -> BenchConfig:
             "max_new_tokens": _ints(args.max_new_tokens), "context_lengths": _split(args.context_lengths),
             "workloads": _split(args.workloads), "sampling": _split(args.sampling, ";"),
             "verifiers": _split(args.verifiers), "quantization": _split(args.quantization),
-            "backends": _split(args.backend)}
+            "backends": _split(args.backend), "tree_budgets": _ints(args.tree_budgets),
+            "tree_widths": _ints(args.tree_widths)}
     matrix.update({k: v for k, v in axes.items() if v is not None})
     data["matrix"] = matrix
     if matrix.get("context_lengths"):

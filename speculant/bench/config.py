@@ -101,6 +101,8 @@ class MatrixConfig(_Model):
     drafters: list[DrafterPoint] = Field(default_factory=lambda: [DrafterPoint(kind="none"), DrafterPoint()])
     block_sizes: list[int | None] = Field(default_factory=lambda: [None])  # None = the draft's trained block
     verifiers: list[str] = Field(default_factory=lambda: ["auto"])
+    tree_budgets: list[int] = Field(default_factory=lambda: [16])  # `tree` verifier cells only: nodes B
+    tree_widths: list[int] = Field(default_factory=lambda: [4])  # `tree` verifier cells only: candidates K
     quantization: list[str] = Field(default_factory=lambda: ["off"])  # "off", "w4", "w8:gs32", ...
     backends: list[BackendPoint] = Field(default_factory=lambda: [BackendPoint()])
     sampling: list[SamplingPoint] = Field(default_factory=lambda: [SamplingPoint()])
@@ -128,7 +130,8 @@ class MatrixConfig(_Model):
     def _workloads(cls, v: Any) -> Any:
         return [_parse_workload(w) if isinstance(w, str) else w for w in _as_list(v)]
 
-    @field_validator("block_sizes", "verifiers", "quantization", "context_lengths", "max_new_tokens", mode="before")
+    @field_validator("block_sizes", "verifiers", "quantization", "context_lengths", "max_new_tokens", "tree_budgets",
+                     "tree_widths", mode="before")
     @classmethod
     def _lists(cls, v: Any) -> Any:
         return _as_list(v)
@@ -138,6 +141,13 @@ class MatrixConfig(_Model):
     def _blocks(cls, v: list[int | None]) -> list[int | None]:
         if any(b is not None and b < 2 for b in v):
             raise ValueError("block sizes count the anchor plus proposals: use 2 or more")
+        return v
+
+    @field_validator("tree_budgets", "tree_widths")
+    @classmethod
+    def _tree_axes(cls, v: list[int]) -> list[int]:
+        if any(not 1 <= n <= 1024 for n in v):
+            raise ValueError("tree budgets and widths are counts from 1 to 1024 (options of the tree verifier)")
         return v
 
     @field_validator("max_new_tokens")

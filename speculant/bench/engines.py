@@ -38,6 +38,8 @@ def engine_config(cell: Cell, speculative: bool) -> EngineConfig:
             "options": cell.drafter_options,
         }
         data["verifier"] = {"kind": cell.verifier}
+        if cell.tree_budget is not None:
+            data["verifier"]["options"] = {"budget": cell.tree_budget, "width": cell.tree_width}
     return EngineConfig.load(data)
 
 

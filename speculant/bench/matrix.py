@@ -32,6 +32,8 @@ class Cell(BaseModel):
     drafter_options: dict = {}
     block_size: int | None  # None = the draft's trained block
     verifier: str
+    tree_budget: int | None = None  # the tree verifier's budget (B) and width (K); None for other verifiers
+    tree_width: int | None = None
     quantization: str
     sampling: SamplingPoint
     context: str  # as requested ("0", "4k", "25%")
@@ -47,7 +49,8 @@ class Cell(BaseModel):
     @property
     def label(self) -> str:
         head = "plain" if self.is_plain else f"{self.drafter} b{self.block_size or 'trained'}"
-        extra = [] if self.is_plain else [x for x in (self.verifier if self.verifier != "auto" else "",
+        verifier = self.verifier if self.tree_budget is None else f"tree B{self.tree_budget} K{self.tree_width}"
+        extra = [] if self.is_plain else [x for x in (verifier if self.verifier != "auto" else "",
                                                        "" if self.quantization == "off" else self.quantization) if x]
         ctx = f"ctx {self.context_tokens}" if self.context_tokens else "bare prompt"
         return " | ".join([self.workload, head, *extra, self.sampling.label, ctx, f"{self.max_new_tokens} new",
@@ -79,8 +82,8 @@ def expand(config: BenchConfig, fingerprints: dict[str, str] | None = None) -> t
         blocks = [None] if plain else m.block_sizes
         verifiers = ["auto"] if plain else m.verifiers
         quant = "off" if plain else quant
-        for block, verifier, sampling, max_new, workload in itertools.product(
-                blocks, verifiers, m.sampling, m.max_new_tokens, m.workloads):
+        for block, (verifier, tree), sampling, max_new, workload in itertools.product(
+                blocks, _verifier_points(verifiers, m), m.sampling, m.max_new_tokens, m.workloads):
             lengths = resolve_context_lengths(m.context_lengths, window, max_new, config.context_fit)
             for requested, tokens in lengths.items():
                 if tokens is None:
@@ -92,12 +95,24 @@ def expand(config: BenchConfig, fingerprints: dict[str, str] | None = None) -> t
                     _note(notes, f"context lengths scaled to fit {target.label}'s window of {window} with "
                                  f"{max_new} new tokens ({requested} -> {tokens} tokens)")
                 cell = _cell(target, backend, drafter, draft, block, verifier, quant, sampling, requested, tokens,
-                             scaled, max_new, workload)
+                             scaled, max_new, workload).model_copy(update=tree)
                 key = cell_key(cell, protocol, fingerprints, digests[workload.name])
                 if key not in seen:
                     seen.add(key)
                     cells.append(cell.model_copy(update={"key": key}))
     return cells, notes
+
+
+def _verifier_points(verifiers: list[str], m) -> list[tuple[str, dict]]:
+    """Each verifier; the ``tree`` verifier once per (budget, width) of the tree axes."""
+    points: list[tuple[str, dict]] = []
+    for verifier in verifiers:
+        if verifier == "tree":
+            points += [(verifier, {"tree_budget": b, "tree_width": w})
+                       for b, w in itertools.product(m.tree_budgets, m.tree_widths)]
+        else:
+            points.append((verifier, {}))
+    return points
 
 
 def _cell(target: TargetPoint, backend: BackendPoint, drafter: DrafterPoint, draft: Path | None, block, verifier,
@@ -113,7 +128,8 @@ def _cell(target: TargetPoint, backend: BackendPoint, drafter: DrafterPoint, dra
 
 
 def cell_key(cell: Cell, protocol: dict, fingerprints: dict[str, str], prompts: str) -> str:
-    params = cell.model_dump(exclude={"key", "target_name", "context_scaled"})
+    unset = {f for f in ("tree_budget", "tree_width") if getattr(cell, f) is None}  # keys of older runs stay
+    params = cell.model_dump(exclude={"key", "target_name", "context_scaled", *unset})
     models = {p: fingerprints.get(p) for p in (cell.target, cell.draft_path) if p}
     return _digest({"cell": params, "protocol": protocol, "models": models, "prompts": prompts})
 

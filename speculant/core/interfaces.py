@@ -263,6 +263,12 @@ class Drafter(ABC):
         verifier is asked whether drafting pays; None (the default) when there is none."""
         return None
 
+    def propose_beside(self, request: DraftRequest, copy: Draft) -> Draft | None:
+        """The drafter's own proposal for ``request`` carrying the free ``copy`` as ``branch_ids``,
+        for a verifier about to build a tree (the copy becomes one of its paths); None (the
+        default) when this drafter has no model proposal to put beside it."""
+        return None
+
     def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:
         """Before this cycle's verification is read: commit every row of ``output`` and propose
         after ``anchor`` (a one-token device array, the target's greedy token at the last row),
@@ -354,6 +360,12 @@ class Verifier(ABC):
         """A draft tree to verify this cycle instead of ``draft``'s chain (built from the drafter's
         per-position distributions), or None (the default: chains only)."""
         return None
+
+    def tree_next(self) -> bool:
+        """Whether this cycle, if drafted with per-position distributions, will be verified as a
+        tree (decided from finished cycles only, and kept for :meth:`tree`): the engine then drafts
+        beside a prompt-lookup copy, so that the copy becomes one path of the tree. Default False."""
+        return False
 
     def verify_tree(
         self, ops: ArrayOps, tree: "DraftTree", target_logits: Array, sampling: SamplingParams, rng: Any

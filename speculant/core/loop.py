@@ -217,6 +217,10 @@ class Loop:
         e = self.e
         request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
         free = e.drafter.propose_free(request)
+        if free is not None and self.trees and e.verifier.tree_next():  # the copy: one path of the tree
+            beside, draft_s = self._timed(lambda: e.drafter.propose_beside(request, free), "draft_s")
+            if beside is not None:
+                return beside, draft_s
         if free is not None or not e.verifier.wants_draft(k, position):
             return free, 0.0
         return self._timed(lambda: e.drafter.propose(request), "draft_s")

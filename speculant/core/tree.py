@@ -92,6 +92,24 @@ class DraftTree:
         return [i for i in range(self.size) if i not in has_child]
 
 
+def with_branch(tree: DraftTree, tokens: list[int] | tuple[int, ...]) -> tuple[DraftTree, list[int]]:
+    """``tree`` with the path ``tokens`` under its root (a prompt-lookup copy): where the path's
+    tokens are already nodes they are shared, the rest are appended in order. Returns the new tree
+    and the appended nodes (the ones only the branch proposed)."""
+    token_list, parents = list(tree.tokens), list(tree.parents)
+    children = tree.children()
+    node, added = 0, []
+    for token in tokens:
+        child = children[node].get(int(token)) if node < len(children) else None
+        if child is None:
+            child = len(token_list)
+            token_list.append(int(token))
+            parents.append(node)
+            added.append(child)
+        node = child
+    return DraftTree(tuple(token_list), tuple(parents)), added
+
+
 TREE_LAYER_KINDS = ("full_attention", "sliding_attention")
 
 

@@ -47,6 +47,8 @@ class Draft:
     ``candidate_ids`` [k, C] for sparse ones. ``confidence`` (host floats, one per row)
     is draft-side information an adaptive policy may read. ``logits`` [k, V]: a block drafter's
     distribution at every position (what a tree verifier builds its tree from), or None.
+    ``branch_ids`` (host ints): a prompt-lookup copy offered beside this draft, which a tree
+    verifier adds to its tree as one more path (docs/tree-verification.md), or None.
     """
 
     token_ids: Array
@@ -56,6 +58,7 @@ class Draft:
     confidence: list[float] | None = None
     source: DraftSource = DraftSource.MODEL
     logits: Array | None = None
+    branch_ids: tuple[int, ...] | None = None
 
     @property
     def kind(self) -> ProposalKind:
@@ -75,6 +78,7 @@ class Draft:
             confidence=None if self.confidence is None else self.confidence[:k],
             source=self.source,
             logits=None if self.logits is None else self.logits[:k],
+            branch_ids=None if self.branch_ids is None else self.branch_ids[:k],
         )
 
 

@@ -10,6 +10,7 @@ still commits every cycle, copies included, so its context stays complete.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from speculant.core.config import LookupConfig
@@ -50,6 +51,14 @@ class LookupProposer(Drafter):
             self._missed = key
             return None
         return Draft(self.backend.int_array(copied), len(copied), source=DraftSource.LOOKUP)
+
+    def propose_beside(self, request: DraftRequest, copy: Draft) -> Draft | None:
+        if self.inner is None:
+            return None
+        drafted = self.inner.propose(request)
+        if drafted is None or drafted.logits is None:
+            return None  # nothing for a tree to grow from: the copy is verified as a chain
+        return replace(drafted, branch_ids=tuple(self.backend.ops.to_list(copy.token_ids)))
 
     def propose(self, request: DraftRequest) -> Draft | None:
         copy = self.propose_free(request)

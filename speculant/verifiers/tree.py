@@ -24,8 +24,8 @@ from typing import Any
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.sampling import inverse_cdf, target_probs
-from speculant.core.tree import DraftTree
-from speculant.core.types import SamplingParams, Verification
+from speculant.core.tree import DraftTree, with_branch
+from speculant.core.types import Draft, SamplingParams, Verification
 from speculant.verifiers.acceptance import _raise_non_finite, fetch, verify_rows
 
 
@@ -70,6 +70,15 @@ def build_tree(anchor_id: int, top_ids: list[list[int]], top_logprobs: list[list
         if depth + 1 < len(top_ids):
             heapq.heappush(heap, (-(score + top_logprobs[depth + 1][0]), ranks + (0,), node))
     return DraftTree(tuple(tokens), tuple(parents))
+
+
+def draft_tree(ops: ArrayOps, draft: Draft, anchor_id: int, budget: int, width: int) -> tuple[DraftTree, list[int]]:
+    """The tree of ``draft``'s per-position distributions (``draft.logits``, which must be set),
+    with its prompt-lookup copy (``draft.branch_ids``) as one more path; and the nodes only the
+    copy proposed (beyond the budget)."""
+    top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], width)
+    tree = build_tree(anchor_id, top_ids, top_logprobs, budget)
+    return with_branch(tree, draft.branch_ids) if draft.branch_ids else (tree, [])
 
 
 def tree_verify(

@@ -13,7 +13,7 @@ from speculant.core.schema import COUNT_MAX, UserModel
 from speculant.core.tree import DraftTree
 from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
-from speculant.verifiers.tree import build_tree, top_candidates, tree_verify
+from speculant.verifiers.tree import draft_tree, tree_verify
 
 
 class TreeOptions(UserModel):
@@ -49,17 +49,29 @@ class TreeVerifier(Verifier):
         self._stats = TreeStats()
         self.choice = CostChoice(settings.explore_every) if settings.choose == "measured" else None
         self.needs_timings = self.choice is not None  # the choice compares measured seconds
+        self._next: str | None = None  # a kind decided by tree_next, for tree()
+        self._copy_nodes: list[int] = []
+        self._copy_chain = False
 
     def begin(self, context_length: int) -> None:
         self._stats = TreeStats()  # the statistics are each request's own
 
+    def tree_next(self) -> bool:
+        if self.fallback is not None:
+            return False
+        self._next = "tree" if self.choice is None else self.choice.next()
+        return self._next == "tree"
+
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+        decided, self._next = self._next, None
+        # chain chosen beside a copy: the copy is this cycle's chain, measured as one
+        self._copy_chain = decided == "chain" and draft.source is DraftSource.LOOKUP
         if self.fallback is not None or draft.logits is None or draft.num_tokens < 1:
             return None
-        if self.choice is not None and self.choice.next() == "chain":
+        if (decided or (self.choice.next() if self.choice is not None else "tree")) == "chain":
             return None
-        top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], self.width)
-        return build_tree(anchor_id, top_ids, top_logprobs, self.budget)
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budget, self.width)
+        return tree
 
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
@@ -68,14 +80,15 @@ class TreeVerifier(Verifier):
     def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                     rng: Any) -> Verification:
         verification = tree_verify(ops, tree, target_logits, sampling, rng)
-        self._stats.record(tree, verification.path)
+        self._stats.record(tree, verification.path, self._copy_nodes)
         return verification
 
     def tree_refused(self, reason: str) -> None:
         self.fallback = reason
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
-        if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP):
+        copy_chain, self._copy_chain = self._copy_chain, False
+        if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP and not copy_chain):
             return
         kind = "tree" if verification.path else "chain"
         if kind == "chain":
@@ -93,36 +106,42 @@ class TreeVerifier(Verifier):
 
 
 class CostChoice:
-    """Tree or chain for the next drafted cycle, from the tokens each has emitted per second
-    (exponential moving averages over this engine's requests): each kind first runs ``WARMUP``
-    times, then the faster one runs, and the slower one every ``explore_every``-th cycle."""
+    """Which of ``arms`` (e.g. ``("tree", "chain")``) runs the next drafted cycle, from the tokens
+    each has emitted per second (exponential moving averages over this engine's requests): each
+    arm first runs ``WARMUP`` times, in order; then the fastest runs, and every
+    ``explore_every``-th cycle one of the slower ones (in turn), so their costs stay known. It
+    reads only finished cycles, so a choice never depends on the cycle it is made for."""
 
     WARMUP = 3
     ALPHA = 0.2  # weight of a new measurement
 
-    def __init__(self, explore_every: int) -> None:
+    def __init__(self, explore_every: int, arms: tuple[str, ...] = ("tree", "chain")) -> None:
         self.explore_every = explore_every
-        self.rate: dict[str, float | None] = {"tree": None, "chain": None}
-        self.measured = {"tree": 0, "chain": 0}
-        self.chosen = {"tree": 0, "chain": 0}
+        self.arms = arms
+        self.rate: dict[str, float | None] = {a: None for a in arms}
+        self.measured = {a: 0 for a in arms}
+        self.chosen = {a: 0 for a in arms}
         self.cycles = 0
+        self.explored = 0
 
     def next(self) -> str:
         self.cycles += 1
-        kind = next((k for k in ("tree", "chain") if self.measured[k] < self.WARMUP), None)
-        if kind is None:
-            faster = "tree" if self.rate["tree"] >= self.rate["chain"] else "chain"
-            slower = "chain" if faster == "tree" else "tree"
-            kind = slower if self.cycles % self.explore_every == 0 else faster
-        self.chosen[kind] += 1
-        return kind
+        arm = next((a for a in self.arms if self.measured[a] < self.WARMUP), None)
+        if arm is None:
+            ranked = sorted(self.arms, key=lambda a: -self.rate[a])  # stable: ties keep the arms' order
+            arm = ranked[0]
+            if self.cycles % self.explore_every == 0 and len(ranked) > 1:
+                self.explored += 1
+                arm = ranked[1 + (self.explored - 1) % (len(ranked) - 1)]
+        self.chosen[arm] += 1
+        return arm
 
-    def record(self, kind: str, emitted: int, seconds: float) -> None:
+    def record(self, arm: str, emitted: int, seconds: float) -> None:
         if seconds <= 0.0:
             return
-        rate, old = emitted / seconds, self.rate[kind]
-        self.rate[kind] = rate if old is None else old + self.ALPHA * (rate - old)
-        self.measured[kind] += 1
+        rate, old = emitted / seconds, self.rate[arm]
+        self.rate[arm] = rate if old is None else old + self.ALPHA * (rate - old)
+        self.measured[arm] += 1
 
     def as_dict(self) -> dict:
         return {"tokens_per_s": dict(self.rate), "chosen": dict(self.chosen)}
@@ -138,9 +157,14 @@ class TreeStats:
         self.nodes_verified = 0
         self.accepted_depths: list[int] = []
         self.branch_used_per_depth: list[int] = []
+        self.copy_branches = 0
+        self.copy_nodes_accepted = 0
 
-    def record(self, tree: DraftTree, path: tuple[int, ...]) -> None:
+    def record(self, tree: DraftTree, path: tuple[int, ...], copy_nodes: list[int] = ()) -> None:
+        """``copy_nodes``: the nodes only a prompt-lookup copy proposed."""
         self.trees += 1
+        self.copy_branches += int(bool(copy_nodes))
+        self.copy_nodes_accepted += len(set(path) & set(copy_nodes))
         self.nodes_verified += tree.size
         self.accepted_depths.append(len(path) - 1)
         children = tree.children()
@@ -158,4 +182,6 @@ class TreeStats:
             "nodes_verified": self.nodes_verified,
             "mean_accepted_depth": sum(depths) / len(depths) if depths else 0.0,
             "branch_used_per_depth": list(self.branch_used_per_depth),
+            "copy_branches": self.copy_branches,
+            "copy_nodes_accepted": self.copy_nodes_accepted,
         }

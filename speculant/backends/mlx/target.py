@@ -21,7 +21,7 @@ import mlx.nn as nn
 from speculant.backends.mlx import compiled, families, layout, prefix, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
-from speculant.backends.mlx.tree import commit_path, rope_problem, tree_forward
+from speculant.backends.mlx.tree import commit_path, rope_problem, static_problem, tree_forward
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.errors import NonFiniteLogitsError
@@ -264,7 +264,7 @@ class MLXTarget(TargetModel):
     def tree_problem(self) -> str | None:
         problem = type(self.backend).tree_problem(self.info)
         if problem is None and self._static is not None:
-            problem = "the whole compiled forward's static cache takes no tree (backend.compile = 'off' verifies trees)"
+            problem = static_problem(self.cache)
         return problem or rope_problem(self.model, self.cache)
 
     def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
@@ -272,7 +272,8 @@ class MLXTarget(TargetModel):
         forget_all(self.cache)
         ids = mx.array(list(tree.tokens), dtype=mx.int32)
         with tree_forward(self.model, self.cache, tree):
-            logits, features, final = self._run(ids, capture, record=bool(self._delta_layers))
+            # eager over a static cache: a compiled trace would keep this tree's mask
+            logits, features, final = self._run(ids, capture, compiled=False, record=bool(self._delta_layers))
         self._tree = tree
         out = ForwardOutput(logits=logits, features=features, final_hidden=final)
         _schedule(out)

@@ -21,10 +21,12 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from speculant.backends.mlx import caches as cache_kinds
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache
+from speculant.backends.mlx.static import StaticKVCache
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.tree import DraftTree, kept_rows
 
@@ -88,6 +90,8 @@ def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[No
 
 
 def _mask_of(cache, tree: DraftTree):
+    if isinstance(cache, StaticKVCache):
+        return _static_mask_of(cache, tree)
     sliding = isinstance(cache, WindowKVCache)
     cached = cache._kept() if sliding else int(cache.offset)
     mask = mx.array(tree.visibility(cached, cache.window if sliding else None))
@@ -96,6 +100,31 @@ def _mask_of(cache, tree: DraftTree):
         return mask
 
     return make_mask
+
+
+def _static_mask_of(cache: StaticKVCache, tree: DraftTree):
+    """A full-attention static buffer (row = position) has ``capacity`` rows, sized only once the
+    forward starts: the prefix, then the tree's rows as ``DraftTree.visibility``, then nothing."""
+
+    def make_mask(N: int, *args, **kwargs) -> mx.array:
+        cached = int(cache.offset.item()) if isinstance(cache.offset, mx.array) else int(cache.offset)
+        visible = tree.visibility(cached)
+        mask = np.zeros((tree.size, cache.capacity), dtype=bool)
+        mask[:, :visible.shape[1]] = visible
+        return mx.array(mask)
+
+    return make_mask
+
+
+def static_problem(caches: list) -> str | None:
+    """Why trees cannot run over the whole compiled forward's static caches, or None: its
+    full-attention buffers take them (eagerly), its sliding rings and Gated DeltaNet layers not yet."""
+    refused = sorted({"sliding-window rings" if isinstance(c, StaticKVCache) else "Gated DeltaNet layers"
+                      for c in caches if not isinstance(c, StaticKVCache) or c.window is not None})
+    if not refused:
+        return None
+    return (f"the whole compiled forward's static cache takes trees over full attention only, not its "
+            f"{' or '.join(refused)} (backend.compile = 'off' verifies trees)")
 
 
 def commit_path(caches: list, length: int, tree: DraftTree, path: Sequence[int]) -> None:

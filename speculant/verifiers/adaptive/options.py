@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import Field, model_validator
 
 from speculant.core.schema import CONTEXT_MAX, COUNT_MAX, UserModel
@@ -35,6 +37,16 @@ class AdaptiveOptions(UserModel):
     cost_alpha: float = Field(0.1, gt=0.0, le=1.0, description="weight of a new timing sample")
     cost_table: list[float] | None = Field(None, min_length=1, max_length=WIDTHS_MAX, description="fixed target cost per width 1, 2, ... (any unit; each > 0, at most 1e9)")
     draft_cost: float | None = Field(None, ge=0.0, le=COST_MAX, description="fixed draft cost, same unit as cost_table")
+
+    tree: Literal["auto", "off"] = Field("auto", description="auto: with a drafter that gives per-position "
+                                         "distributions (DFlash, DFlash2) and a target that takes trees, each speculative cycle "
+                                         "verifies the chain or a tree of one of tree_budgets nodes, whichever has emitted the "
+                                         "most tokens per second (each measured first); off: chains only")
+    tree_budgets: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        [8, 32], min_length=1, max_length=8, description="the tree sizes (drafted nodes, B) tree = auto measures and chooses from")
+    tree_width: int = Field(4, ge=1, le=64, description="most candidates per tree depth (K)")
+    tree_explore_every: int = Field(32, ge=2, le=COUNT_MAX, description="with tree = auto, every n-th eligible cycle "
+                                    "runs an arm (chain or tree size) measured slower, so its cost stays known")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AdaptiveOptions":

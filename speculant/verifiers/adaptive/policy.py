@@ -162,6 +162,21 @@ class AdaptivePolicy:
             self._event(Mode.FALLBACK, "the output repeats an earlier span: probe next cycle", None)
         return action
 
+    def speculating(self, max_tokens: int, context_length: int) -> bool:
+        """Whether this cycle submits drafts at a planned width (not a warm-up, probe or plain step)."""
+        if self.this_cycle.action is None:  # the engine did not ask wants_draft: decide now
+            self.wants_draft(max_tokens, context_length)
+        return self.this_cycle.action is Action.SPECULATE
+
+    def tree_done(self, token_ids: Sequence[int]) -> Action:
+        """A cycle verified as a draft tree: it counts as one of the request's cycles and teaches the
+        chain's acceptance and cost models nothing (a tree's depth and forward are not a chain's)."""
+        self.this_cycle.action = self.this_cycle.confidence = None
+        self.request.cycle += 1
+        self.probes.cycle_done(False, token_ids)
+        self.schedule.since_plain += 1
+        return Action.TREE
+
     def _learn_costs(self, submitted: int, timing: CycleTiming, verify_s: float) -> None:
         self.costs.add_target(submitted + 1, timing.context_length, timing.target_s)
         if timing.drafted:

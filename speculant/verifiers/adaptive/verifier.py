@@ -20,11 +20,13 @@ from typing import Any
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
+from speculant.core.tree import DraftTree
 from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
 from speculant.verifiers.adaptive.options import AdaptiveOptions
 from speculant.verifiers.adaptive.policy import AdaptivePolicy
 from speculant.verifiers.adaptive.states import Action, Mode
+from speculant.verifiers.adaptive.trees import TreeArms
 
 
 @dataclass
@@ -58,12 +60,17 @@ class AdaptiveVerifier(Verifier):
         self.settings = AdaptiveOptions.model_validate(self.options)
         self.max_context = self.settings.max_context
         self.policy = AdaptivePolicy(self.settings)
+        o = self.settings
+        self.trees = TreeArms(o.tree_budgets, o.tree_width, o.tree_explore_every) if o.tree == "auto" else None
+        self.builds_trees = self.trees is not None
         self._verify_s = 0.0
         self.begin(0)
 
     # -- the engine's hooks, in cycle order --------------------------------------------------
     def begin(self, context_length: int) -> None:
         self.policy.begin()
+        if self.trees is not None:
+            self.trees.begin()
         limit = self.max_context
         self.log = RequestLog(plain_from_context=context_length if limit is not None and context_length >= limit else None)
 
@@ -73,6 +80,11 @@ class AdaptiveVerifier(Verifier):
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
+        if self.trees is not None:  # the arm: from finished cycles only, like the width below
+            copy = draft.source is DraftSource.LOOKUP
+            self.trees.choose(draft if copy or self.policy.speculating(max_tokens, context_length) else None)
+            if self.trees.tree_chosen:  # the tree's budget bounds it, not the chain's width
+                return min(draft.num_tokens, max_tokens)
         if draft.source == DraftSource.LOOKUP:  # a copy: verified whole, outside the policy
             return min(draft.num_tokens, max_tokens)
         # A sampled draft's confidence is its own q(x_i): choosing whether to verify x_i from the
@@ -95,12 +107,32 @@ class AdaptiveVerifier(Verifier):
         self._verify_s = time.perf_counter() - start
         return verification
 
+    def tree_next(self) -> bool:
+        return self.trees is not None and self.policy.mode is Mode.SPECULATE and self.trees.choose_early()
+
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+        return None if self.trees is None else self.trees.tree(ops, draft, anchor_id)
+
+    def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
+                    rng: Any) -> Verification:
+        return self.trees.verify(ops, tree, target_logits, sampling, rng)
+
+    def tree_refused(self, reason: str) -> None:
+        if self.trees is not None:
+            self.trees.fallback = reason
+
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
+        if self.trees is not None:
+            seconds = 0.0 if timing is None else timing.target_s + timing.draft_s + timing.commit_s
+            self.trees.observe(verification, submitted, seconds + (0.0 if verification.path else self._verify_s))
         if timing is not None and timing.source == DraftSource.LOOKUP:
             return  # a copy says nothing about the drafter's acceptance, nor about this policy's choices
-        action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s, verification.token_ids)
+        if verification.path:
+            action = self.policy.tree_done(verification.token_ids)
+        else:
+            action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s, verification.token_ids)
         log = self.log
-        log.widths.append(submitted)
+        log.widths.append(self.trees.depth if verification.path else submitted)  # a tree: its depth
         log.actions.append(action)
         limit = self.max_context
         if limit is not None and log.plain_from_context is None and timing is not None and timing.context_length >= limit:
@@ -110,7 +142,8 @@ class AdaptiveVerifier(Verifier):
     def decisions(self) -> dict:
         p, log = self.policy, self.log
         fallback = Counter(a.reason for a in log.actions if a.plain)
-        k = max(log.widths, default=0) or p.request.k
+        chain_widths = [w for w, a in zip(log.widths, log.actions) if a is not Action.TREE]
+        k = max(chain_widths, default=0) or p.request.k
         return {
             "policy": "adaptive",
             "widths": list(log.widths),
@@ -125,6 +158,7 @@ class AdaptiveVerifier(Verifier):
             "plain_from_context": log.plain_from_context,
             "acceptance": p.acceptance.snapshot(k),
             "cost": p.costs.snapshot(k + 1, p.request.context_length),
+            "tree": None if self.trees is None else self.trees.as_dict(),
         }
 
 

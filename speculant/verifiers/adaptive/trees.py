@@ -1,0 +1,98 @@
+"""The adaptive verifier's tree arms: per drafted cycle, the chain (the policy's width) or a tree
+of one of ``tree_budgets`` nodes, whichever has emitted the most tokens per second so far.
+
+The choice is the ``tree`` verifier's :class:`CostChoice` over more arms; it reads finished
+cycles only, and a tree is verified by sample and match (exact however it was built), so the
+output keeps the target's distribution whichever arm runs. A tree cycle is outside the chain
+policy: its accepted depth and its forward's cost teach the chain models nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from speculant.core.arrays import Array, ArrayOps
+from speculant.core.tree import DraftTree
+from speculant.core.types import Draft, DraftSource, SamplingParams, Verification
+from speculant.verifiers.tree import draft_tree, tree_verify
+from speculant.verifiers.tree_verifier import CostChoice, TreeStats
+
+CHAIN = "chain"
+
+
+class TreeArms:
+    """Chooses chain or tree per drafted cycle and builds / verifies the tree; its own seconds
+    (the top-K transfer and the walk) count towards the tree arm's cost."""
+
+    def __init__(self, budgets: list[int], width: int, explore_every: int) -> None:
+        self.budgets = {f"tree{b}": b for b in dict.fromkeys(budgets)}
+        self.width = width
+        self.choice = CostChoice(explore_every, (CHAIN, *self.budgets))
+        self.fallback: str | None = None
+        self.stats = TreeStats()
+        self.arm: str | None = None  # this cycle's, from plan() to observe()
+        self.host_s = 0.0
+        self.depth = 0  # the last tree's deepest node
+        self.preset: str | None = None  # an arm chosen before drafting (tree_next), for choose()
+        self._copy_nodes: list[int] = []
+
+    def begin(self) -> None:
+        self.stats, self.arm, self.preset = TreeStats(), None, None
+
+    def choose_early(self) -> bool:
+        """Before drafting, beside a prompt-lookup copy: choose the arm now; True for a tree."""
+        self.preset = None if self.fallback is not None else self.choice.next()
+        return self.preset is not None and self.preset != CHAIN
+
+    def choose(self, draft: Draft | None) -> str | None:
+        """This drafted cycle's arm (the early one if made; a copy is then the chain beside it), or
+        None when no tree can be built (no per-position distributions, a lookup copy, a target
+        without tree forwards, no speculation: ``draft`` None)."""
+        preset, self.preset = self.preset, None
+        self.host_s = 0.0
+        if preset == CHAIN and draft is not None and draft.source is DraftSource.LOOKUP:
+            self.arm = CHAIN  # chosen beside a copy: the copy is this cycle's chain, measured as one
+            return self.arm
+        eligible = (draft is not None and self.fallback is None and draft.logits is not None
+                    and draft.source is DraftSource.MODEL and draft.num_tokens >= 1)
+        self.arm = (preset or self.choice.next()) if eligible else None
+        return self.arm
+
+    @property
+    def tree_chosen(self) -> bool:
+        return self.arm is not None and self.arm != CHAIN
+
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+        if not self.tree_chosen or draft.logits is None:
+            return None
+        start = time.perf_counter()
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budgets[self.arm], self.width)
+        self.depth = max(tree.depths)
+        self.host_s += time.perf_counter() - start
+        return tree
+
+    def verify(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
+               rng: Any) -> Verification:
+        start = time.perf_counter()
+        verification = tree_verify(ops, tree, target_logits, sampling, rng)
+        self.host_s += time.perf_counter() - start
+        self.stats.record(tree, verification.path, self._copy_nodes)
+        return verification
+
+    def observe(self, verification: Verification, submitted: int, seconds: float) -> None:
+        """Record the finished cycle's tokens per second under its arm (a tree chosen but verified
+        as a chain, or a chain the policy cut to no drafts, records nothing)."""
+        arm, self.arm = self.arm, None
+        if arm is None or submitted <= 0 or bool(verification.path) != (arm != CHAIN):
+            return
+        if arm == CHAIN:
+            self.stats.chain_cycles += 1
+        self.choice.record(arm, len(verification.token_ids), seconds + self.host_s)
+
+    def as_dict(self) -> dict:
+        record: dict = {"budgets": list(self.budgets.values()), "width": self.width, **self.stats.as_dict(),
+                        "choice": self.choice.as_dict()}
+        if self.fallback is not None:
+            record["fallback"] = f"chains: {self.fallback}"
+        return record
