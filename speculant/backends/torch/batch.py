@@ -31,6 +31,7 @@ from typing import Hashable, Sequence
 import torch
 from transformers import DynamicCache
 
+from speculant.core.batch import BatchedTarget
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 _BATCHED_KINDS = ("full_attention", "sliding_attention")
@@ -45,7 +46,7 @@ def batch_problem(info: TargetInfo) -> str | None:
             f"(target family {info.model_type}); it batches {' and '.join(_BATCHED_KINDS)} only")
 
 
-class TorchBatch:
+class TorchBatch(BatchedTarget):
     """The live sequences of one batch over ``target`` (a ``TorchTarget``), row ``i`` being ``keys[i]``."""
 
     compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
