@@ -114,7 +114,7 @@ def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact
     assert len(set(accepted["mixed"])) > 2  # the acceptance patterns really differ
     for key in SEQUENCES:
         assert got[key] == solo[key], key
-    assert batch.keys == [] and batch.valid.numel() == 0
+    assert batch.keys == [] and batch.book.columns == 0
 
 
 def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypatch):
@@ -128,7 +128,7 @@ def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypa
     def shared_crop(self, lengths):
         before = self.lengths_before_block()
         taken = lengths[0] - before[0]
-        crop(self, [b + min(taken, w) for b, w in zip(before, self._block[1])])
+        crop(self, [b + min(taken, w) for b, w in zip(before, self.book.block[1])])
 
     monkeypatch.setattr(TorchBatch, "crop", shared_crop)
     vocab = int(engine.target.model.config.vocab_size)
