@@ -13,7 +13,18 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from speculant.core.types import Capture, ForwardOutput
+from speculant.core.types import Capture, ForwardOutput, TargetInfo
+
+_BATCHED_KINDS = ("full_attention", "sliding_attention")
+
+
+def batch_problem(info: TargetInfo) -> str | None:
+    """Why the target's layers cannot be verified batched, or None (every backend batches the same kinds)."""
+    refused = sorted({kind for kind in info.layer_types if kind not in _BATCHED_KINDS})
+    if not refused:
+        return None
+    return (f"batched verify does not roll back {', '.join(refused)} layers per sequence yet "
+            f"(target family {info.model_type}); it batches {' and '.join(_BATCHED_KINDS)} only")
 
 
 class BatchedTarget(ABC):

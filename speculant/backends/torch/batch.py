@@ -23,6 +23,7 @@ window (a column is visible when ``query position - its position < window``), so
 keep every row while batched (memory, not correctness; a trim of columns every row has left
 behind is future work). Gated DeltaNet (``linear_attention``) is refused (:func:`batch_problem`):
 its per-row recurrent and convolution states need per-position recording per row, not done yet.
+MLX: ``backends/mlx/batch.py``, over the same ``RowBook``.
 """
 
 from __future__ import annotations
@@ -32,20 +33,8 @@ from typing import Hashable, Sequence
 import torch
 from transformers import DynamicCache
 
-from speculant.core.batch import BatchedTarget, RowBook
-from speculant.core.types import Capture, ForwardOutput, TargetInfo
-
-_BATCHED_KINDS = ("full_attention", "sliding_attention")
-
-
-def batch_problem(info: TargetInfo) -> str | None:
-    """Why the target's layers cannot be verified batched, or None."""
-    refused = sorted({kind for kind in info.layer_types if kind not in _BATCHED_KINDS})
-    if not refused:
-        return None
-    return (f"batched verify does not roll back {', '.join(refused)} layers per sequence yet "
-            f"(target family {info.model_type}); it batches {' and '.join(_BATCHED_KINDS)} only")
-
+from speculant.core.batch import BatchedTarget, RowBook, batch_problem
+from speculant.core.types import Capture, ForwardOutput
 
 class TorchBatch(BatchedTarget):
     """The live sequences of one batch over ``target`` (a ``TorchTarget``), row ``i`` being ``keys[i]``."""

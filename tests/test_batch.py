@@ -1,9 +1,10 @@
-"""Batched verify over a PyTorch target (backends/torch/batch.py, issue #39): several sequences of
+"""Batched verify (core/batch.py; backends/torch/batch.py, backends/mlx/batch.py; issue #39): several sequences of
 different prompt lengths in one forward a cycle, each with its own acceptance pattern, joining and
 leaving at different cycles; each must equal its solo plain-greedy run token for token."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,6 +15,9 @@ from speculant.testing.tiny import build_tiny_target  # noqa: E402
 from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+# MLX eager (compile off): the whole compiled forward runs over a static cache of one sequence
+BACKENDS = {"torch": BACKEND, "mlx": {**BACKEND, "kind": "mlx", "compile": "off"}}
+BACKEND_PARAMS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
 NEW = 40  # crosses the sliding window (16) of the sliding families
 # (prompt, the cycle it joins at, its drafting pattern); prompt lengths all differ
 SEQUENCES = {
@@ -40,8 +44,21 @@ def targets(tmp_path_factory, torch_threads):
     return get
 
 
-def engine_for(path):
-    return load_engine({"backend": BACKEND, "target": {"path": str(path)}})
+def engine_for(path, backend="torch"):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        pytest.importorskip("mlx_lm")
+    return load_engine({"backend": BACKENDS[backend], "target": {"path": str(path)}})
+
+
+def batch_class(backend: str):
+    if backend == "mlx":
+        from speculant.backends.mlx.batch import MLXBatch
+
+        return MLXBatch
+    from speculant.backends.torch.batch import TorchBatch
+
+    return TorchBatch
 
 
 def solo_tokens(engine, prompt) -> list[int]:
@@ -61,7 +78,7 @@ def drafts_for(pattern: str, truth: list[int], cycle: int, vocab: int) -> list[i
     return drafts
 
 
-def batched_greedy(batch, solo: dict, vocab: int) -> tuple[dict, dict]:
+def batched_greedy(batch, solo: dict) -> tuple[dict, dict]:
     """Run every sequence of SEQUENCES through ``batch`` with greedy acceptance; returns each one's
     tokens and how many drafts it had accepted each cycle."""
     emitted = {key: [] for key in SEQUENCES}
@@ -72,7 +89,8 @@ def batched_greedy(batch, solo: dict, vocab: int) -> tuple[dict, dict]:
             if joins_at == cycle:
                 out = batch.join(key, prompt, CAPTURE)
                 assert out.features.shape[0] == len(prompt)
-                emitted[key].append(int(out.logits[-1].argmax()))
+                vocab = int(out.logits.shape[-1])
+                emitted[key].append(int(np.asarray(out.logits[-1]).argmax()))
         blocks = []
         for key in batch.keys:
             tokens = emitted[key]
@@ -81,9 +99,10 @@ def batched_greedy(batch, solo: dict, vocab: int) -> tuple[dict, dict]:
         lengths = []
         for key, block, out, before in zip(batch.keys, blocks, outs, batch.lengths_before_block()):
             # the captured final hidden state is this sequence's own: its head gives its logits
-            assert torch.allclose(batch.target.lm_head(out.final_hidden), out.logits, atol=1e-4)
-            assert out.features.shape == (len(block), 2 * out.final_hidden.shape[-1])
-            choices = out.logits.argmax(dim=-1).tolist()
+            head = np.asarray(batch.target.lm_head(out.final_hidden))
+            assert np.allclose(head, np.asarray(out.logits), atol=1e-4)
+            assert tuple(out.features.shape) == (len(block), 2 * out.final_hidden.shape[-1])
+            choices = np.asarray(out.logits).argmax(axis=-1).tolist()
             taken = 0
             while taken < len(block) - 1 and block[1 + taken] == choices[taken]:
                 taken += 1
@@ -98,17 +117,16 @@ def batched_greedy(batch, solo: dict, vocab: int) -> tuple[dict, dict]:
     return {key: tokens[:NEW] for key, tokens in emitted.items()}, accepted
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("compact_at", [0.0, 0.25, 1.0])
 @pytest.mark.parametrize("name", TARGETS)
-def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact_at, monkeypatch):
-    from speculant.backends.torch.batch import TorchBatch
-
-    engine = engine_for(targets(name))
+def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact_at, backend, monkeypatch):
+    engine = engine_for(targets(name), backend)
     solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
-    monkeypatch.setattr(TorchBatch, "compact_at", compact_at)
-    batch = TorchBatch(engine.target)
-    vocab = int(engine.target.model.config.get_text_config().vocab_size)
-    got, accepted = batched_greedy(batch, solo, vocab)
+    cls = batch_class(backend)
+    monkeypatch.setattr(cls, "compact_at", compact_at)
+    batch = cls(engine.target)
+    got, accepted = batched_greedy(batch, solo)
     assert all(a == 5 for a in accepted["whole"][:-1]), accepted["whole"]
     assert set(accepted["never"]) == {0}
     assert len(set(accepted["mixed"])) > 2  # the acceptance patterns really differ
@@ -131,15 +149,13 @@ def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypa
         crop(self, [b + min(taken, w) for b, w in zip(before, self.book.block[1])])
 
     monkeypatch.setattr(TorchBatch, "crop", shared_crop)
-    vocab = int(engine.target.model.config.vocab_size)
-    got, _ = batched_greedy(TorchBatch(engine.target), solo, vocab)
+    got, _ = batched_greedy(TorchBatch(engine.target), solo)
     assert any(got[key] != solo[key] for key in SEQUENCES)
 
 
-def test_bad_calls_say_what_to_do(targets):
-    from speculant.backends.torch.batch import TorchBatch
-
-    batch = TorchBatch(engine_for(targets("qwen3")).target)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_bad_calls_say_what_to_do(targets, backend):
+    batch = batch_class(backend)(engine_for(targets("qwen3"), backend).target)
     batch.join("a", [5, 6, 7])
     with pytest.raises(ValueError, match="already in the batch"):
         batch.join("a", [5])
@@ -154,9 +170,8 @@ def test_bad_calls_say_what_to_do(targets):
         batch.join("b", [5])
 
 
-def test_gated_deltanet_targets_are_refused_by_name(tmp_path, torch_threads):
-    from speculant.backends.torch.batch import TorchBatch
-
-    engine = engine_for(build_tiny_family(tmp_path / "qwen3_5", "qwen3_5"))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_gated_deltanet_targets_are_refused_by_name(tmp_path, torch_threads, backend):
+    engine = engine_for(build_tiny_family(tmp_path / "qwen3_5", "qwen3_5"), backend)
     with pytest.raises(ValueError, match="linear_attention"):
-        TorchBatch(engine.target)
+        batch_class(backend)(engine.target)
