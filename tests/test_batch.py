@@ -15,8 +15,9 @@ from speculant.testing.tiny import build_tiny_target  # noqa: E402
 from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
-# MLX eager (compile off): the whole compiled forward runs over a static cache of one sequence
-BACKENDS = {"torch": BACKEND, "mlx": {**BACKEND, "kind": "mlx", "compile": "off"}}
+# the default backend.compile: the batch runs the model eagerly over its own cache beside the
+# target's fast path (transposed / packed weights on the CPU) and must agree with that path's solo run
+BACKENDS = {"torch": BACKEND, "mlx": {**BACKEND, "kind": "mlx"}}
 BACKEND_PARAMS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
 NEW = 40  # crosses the sliding window (16) of the sliding families
 # (prompt, the cycle it joins at, its drafting pattern); prompt lengths all differ
