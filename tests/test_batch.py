@@ -80,9 +80,10 @@ def drafts_for(pattern: str, truth: list[int], cycle: int, vocab: int) -> list[i
     return drafts
 
 
-def batched_greedy(batch, solo: dict) -> tuple[dict, dict]:
+def batched_greedy(batch, solo: dict, check=None) -> tuple[dict, dict]:
     """Run every sequence of SEQUENCES through ``batch`` with greedy acceptance; returns each one's
-    tokens and how many drafts it had accepted each cycle."""
+    tokens and how many drafts it had accepted each cycle. ``check(key, context, block, out)``
+    sees each verified row: the sequence's tokens so far (not the anchor), its block, its output."""
     emitted = {key: [] for key in SEQUENCES}
     accepted = {key: [] for key in SEQUENCES}
     cycle = 0
@@ -104,6 +105,8 @@ def batched_greedy(batch, solo: dict) -> tuple[dict, dict]:
             head = np.asarray(batch.target.lm_head(out.final_hidden))
             assert np.allclose(head, np.asarray(out.logits), atol=1e-4)
             assert tuple(out.features.shape) == (len(block), 2 * out.final_hidden.shape[-1])
+            if check is not None:
+                check(key, SEQUENCES[key][0] + emitted[key][:-1], block, out)
             choices = np.asarray(out.logits).argmax(axis=-1).tolist()
             taken = 0
             while taken < len(block) - 1 and block[1 + taken] == choices[taken]:
@@ -135,6 +138,29 @@ def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact
     for key in SEQUENCES:
         assert got[key] == solo[key], key
     assert batch.keys == [] and batch.book.columns == 0
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_each_rows_logits_and_states_equal_a_solo_forward(targets, name, backend):
+    """Sampling reads the whole distribution, not its argmax: each row's logits and captured
+    states equal those of the same block verified alone after the same tokens (float32)."""
+    engine = engine_for(targets(name), backend)
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    target, ops = engine.target, engine.backend
+    compared = []
+
+    def check(key, context, block, out):
+        target.reset()
+        target.prefill(context, CAPTURE)
+        alone = target.forward(ops.int_array(block), CAPTURE)
+        for got, want in ((out.logits, alone.logits), (out.features, alone.features),
+                          (out.final_hidden, alone.final_hidden)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
+        compared.append(key)
+
+    batched_greedy(batch_class(backend)(target), solo, check)
+    assert set(compared) == set(SEQUENCES)
 
 
 def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypatch):
