@@ -6,7 +6,8 @@ dim]``; a verify block right-padded to the widest row. mlx-lm's attention reads 
 nor a mask from its caller: it rotates at ``cache.offset`` and asks the cache for its mask. So each
 layer's :class:`RowsCache` answers with an ``offset`` array (each row's first block position;
 ``mx.fast.rope`` takes one offset per row) and with the row book's mask. A sequence joins through
-the same forward over a one-row cache of its own, then becomes a row. Full and sliding-window
+the same forward over a one-row cache of its own (in chunks of ``PREFILL_STEP`` rows, as the
+single-sequence prefill), then becomes a row. Full and sliding-window
 attention (sliding rows kept at full length, masked to the window); Gated DeltaNet is refused
 (``core.batch.batch_problem``).
 """
@@ -20,6 +21,7 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
 from speculant.backends.mlx.caches import WindowKVCache, target_cache
+from speculant.backends.mlx.target import PREFILL_STEP, _join
 from speculant.core.batch import BatchedTarget, RowBook, batch_problem
 from speculant.core.types import Capture, ForwardOutput
 
@@ -109,13 +111,18 @@ class MLXBatch(BatchedTarget):
             raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
         solo, book = self._new_layers(), RowBook()
         book.add_row(0)
-        logits, features, final = self._forward([list(token_ids)], solo, book, capture)
+        features, finals = [], []
+        for start in range(0, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
+            logits, f, h = self._forward([list(token_ids[start:start + PREFILL_STEP])], solo, book, capture)
+            features.append(_row(f, 0))
+            finals.append(_row(h, 0))
+            mx.eval([logits] + [a for layer in solo for a in layer.state] + [a for a in (f, h) if a is not None])
         self.book.add_row(len(token_ids))
         for layer, new in zip(self.layers, solo):
             layer.append_row(new, self.book.columns)
         self.keys.append(key)
         self._settle(logits)
-        return ForwardOutput(logits=logits[0, -1:], features=_row(features, 0), final_hidden=_row(final, 0))
+        return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
 
     def leave(self, key: Hashable) -> None:
         self._between_cycles("leave")
