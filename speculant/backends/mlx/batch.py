@@ -53,7 +53,8 @@ class RowsCache(_BaseCache):
         return [] if self.keys is None else [self.keys, self.values]
 
     def gather(self, index: mx.array, axis: int) -> None:
-        """Keep the rows (``axis`` 0, ``index`` [rows]) or each row's columns (``axis`` 2, ``index`` [rows, columns])."""
+        """Keep the rows (``axis`` 0, ``index`` [rows]) or each row's columns (``axis`` 2,
+        ``index`` [rows, columns])."""
         if self.keys is None:
             return
         if axis == 0:
@@ -61,7 +62,8 @@ class RowsCache(_BaseCache):
             return
         shape = (*self.keys.shape[:2], index.shape[1], self.keys.shape[3])
         where = mx.broadcast_to(index[:, None, :, None], shape)
-        self.keys, self.values = mx.take_along_axis(self.keys, where, axis=2), mx.take_along_axis(self.values, where, axis=2)
+        self.keys = mx.take_along_axis(self.keys, where, axis=2)
+        self.values = mx.take_along_axis(self.values, where, axis=2)
 
     def append_row(self, other: "RowsCache", columns: int) -> None:
         """Add ``other``'s one row below these, both padded to ``columns``."""

@@ -7,21 +7,21 @@ sequence's anchor + drafts (ragged widths) in one forward and :meth:`TorchBatch.
 sequence back to its own accepted length.
 
 Layout: one rectangular cache ``[batch, heads, columns, dim]`` with, per row, which columns hold
-its positions (``valid``) and the position each column holds (``positions``); a verify block is
+its positions and the position each column holds (``core.batch.RowBook``, the bookkeeping shared
+with MLX: the masks, the crop's checks, the compaction's gather); a verify block is
 right-padded to the widest sequence's width, with per-row position ids and a 4-D additive mask.
 Chosen over flattened tokens (one ragged row with per-token positions, vLLM's layout) because
 transformers' eager and SDPA attention take a batch dimension and a ready 4-D mask as they are,
 on every device, while a flattened batch needs a variable-length attention kernel
 (flash-attention's ``cu_seqlens``) that CPUs and MPS lack. A rollback is then clearing a row's
 mask bits, no copy; the holes it leaves are squeezed out (:meth:`TorchBatch._compact`, one gather)
-once they pass ``compact_at`` of the cache. The bookkeeping (which column holds which position of
-which row, the masks, the compaction's gather) is ``core.batch.RowBook``, shared with MLX. The padding costs ``sum(widest - width)`` wasted query
+once they pass ``compact_at`` of the cache. The padding costs ``sum(widest - width)`` wasted query
 rows a cycle, small beside the cache the queries read.
 
 Layer kinds: full attention, and sliding-window attention as full-length rows masked to the
 window (a column is visible when ``query position - its position < window``), so sliding layers
 keep every row while batched (memory, not correctness; a trim of columns every row has left
-behind is future work). Gated DeltaNet (``linear_attention``) is refused (:func:`batch_problem`):
+behind is future work). Gated DeltaNet (``linear_attention``) is refused (``core.batch.batch_problem``):
 its per-row recurrent and convolution states need per-position recording per row, not done yet.
 MLX: ``backends/mlx/batch.py``, over the same ``RowBook``.
 """
@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from speculant.core.batch import BatchedTarget, RowBook, batch_problem
 from speculant.core.types import Capture, ForwardOutput
+
 
 class TorchBatch(BatchedTarget):
     """The live sequences of one batch over ``target`` (a ``TorchTarget``), row ``i`` being ``keys[i]``."""
