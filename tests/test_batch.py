@@ -161,7 +161,7 @@ def test_each_rows_logits_and_states_equal_a_solo_forward(targets, name, backend
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
         compared.append(key)
 
-    batched_greedy(batch_class(backend)(target), solo, check)
+    batched_greedy(target.new_batch(), solo, check)
     assert set(compared) == set(SEQUENCES)
 
 
@@ -185,7 +185,7 @@ def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypa
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_bad_calls_say_what_to_do(targets, backend):
-    batch = batch_class(backend)(engine_for(targets("qwen3"), backend).target)
+    batch = engine_for(targets("qwen3"), backend).target.new_batch()
     batch.join("a", [5, 6, 7])
     with pytest.raises(ValueError, match="already in the batch"):
         batch.join("a", [5])
@@ -204,4 +204,4 @@ def test_bad_calls_say_what_to_do(targets, backend):
 def test_gated_deltanet_targets_are_refused_by_name(tmp_path, torch_threads, backend):
     engine = engine_for(build_tiny_family(tmp_path / "qwen3_5", "qwen3_5"), backend)
     with pytest.raises(ValueError, match="linear_attention"):
-        batch_class(backend)(engine.target)
+        engine.target.new_batch()

@@ -281,6 +281,11 @@ class MLXTarget(TargetModel):
         self._length = length + len(path)
 
     # -- pipelined plain greedy decoding ---------------------------------------------------
+    def new_batch(self):
+        from speculant.backends.mlx.batch import MLXBatch  # it imports this module
+
+        return MLXBatch(self)
+
     def greedy_steps(self, anchor_id: int) -> Iterator[int]:
         """Plain greedy tokens from ``anchor_id``, run as mlx-lm's ``generate_step`` runs them: the
         argmax stays on the device and is the next step's input, and that step is queued

@@ -283,6 +283,11 @@ class TorchTarget(TargetModel):
             raise RuntimeError(f"commit_tree({length}) must follow forward_tree over a cache of {length} positions")
         commit_path(self.cache, tree, path)
 
+    def new_batch(self):
+        from speculant.backends.torch.batch import TorchBatch
+
+        return TorchBatch(self)
+
     def greedy_steps(self, anchor_id: int) -> Iterator[int] | None:
         """Plain greedy decoding on the compiled path: the width-1 graph's argmax stays on the
         device and is fed back as the next input; the next step is queued before the host reads
