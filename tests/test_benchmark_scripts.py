@@ -64,3 +64,9 @@ def test_expert_layout_benchmark_gives_the_same_products():
               "--rows", "1,8", "--repeats", "1")
     differences = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "as loaded / transposed" in line]
     assert len(differences) == 2 and max(differences) <= 1e-4, out
+
+
+@pytest.mark.slow
+def test_batch_verify_benchmark_runs():
+    out = run("benchmarks/batch_verify.py", "--rows", "1,2", "--cycles", "2", "--context", "32", "--hidden", "64")
+    assert "rows   2: batched" in out, out

@@ -27,6 +27,7 @@ from speculant.core.types import (
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from speculant.core.batch import BatchedTarget
     from speculant.core.tree import DraftTree
 
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
@@ -139,6 +140,11 @@ class TargetModel(ABC):
         """After :meth:`forward_tree` over a cache of ``length`` positions: keep the rows of the
         tree nodes ``path`` (root first) at positions ``length ..`` and drop every other node."""
         raise NotImplementedError(self.tree_problem())
+
+    def new_batch(self) -> "BatchedTarget":
+        """An empty batch of sequences over this target's weights, with caches of its own
+        (core/batch.py, docs/batching.md); raises ValueError saying why this target cannot batch."""
+        raise ValueError(f"{type(self).__name__} has no batched verify (one sequence at a time)")
 
 
 class Backend(ABC):

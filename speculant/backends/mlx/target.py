@@ -54,8 +54,12 @@ class Recorder:
         self.wanted = frozenset(wanted)
         self.got = {}
 
-    def finish(self, capture: Capture) -> tuple[mx.array | None, mx.array | None]:
+    def finish(self, capture: Capture, batched: bool = False) -> tuple[mx.array | None, mx.array | None]:
+        """(features, final hidden) of the forward just run: of its one sequence ([rows, ...]), or,
+        ``batched``, of every sequence in it ([batch, rows, ...])."""
         got, self.got, self.wanted = self.got, {}, frozenset()
+        if batched:
+            got = {key: value[None] for key, value in got.items()}  # so that [0] below keeps the batch
         features = None
         if capture.layer_ids:
             parts = [got[i][0] for i in capture.layer_ids]
@@ -287,6 +291,11 @@ class MLXTarget(TargetModel):
         self._length = length + len(path)
 
     # -- pipelined plain greedy decoding ---------------------------------------------------
+    def new_batch(self):
+        from speculant.backends.mlx.batch import MLXBatch  # it imports this module
+
+        return MLXBatch(self)
+
     def greedy_steps(self, anchor_id: int) -> Iterator[int]:
         """Plain greedy tokens from ``anchor_id``, run as mlx-lm's ``generate_step`` runs them: the
         argmax stays on the device and is the next step's input, and that step is queued

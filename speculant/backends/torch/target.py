@@ -65,14 +65,17 @@ class _Recorder:
             self.wanted.add(self.last_layer)
         self.active = {} if self.wanted else None
 
-    def finish(self, capture: Capture) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def finish(self, capture: Capture, batched: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(features, final hidden) of the forward just run: of its one sequence ([rows, ...]), or,
+        ``batched``, of every sequence in it ([batch, rows, ...])."""
         got, self.active = self.active or {}, None
+        pick = (lambda t: t) if batched else (lambda t: t[0])
         features = None
         if capture.layer_ids:
-            features = torch.cat([got[i][0] for i in capture.layer_ids], dim=-1)
+            features = torch.cat([pick(got[i]) for i in capture.layer_ids], dim=-1)
         final = None
         if capture.final_hidden is not None:
-            final = got["post_norm" if capture.final_hidden == "post_norm" else self.last_layer][0]
+            final = pick(got["post_norm" if capture.final_hidden == "post_norm" else self.last_layer])
         return features, final
 
 
@@ -279,6 +282,11 @@ class TorchTarget(TargetModel):
         if tree is None or self.cache_length != length + tree.size:
             raise RuntimeError(f"commit_tree({length}) must follow forward_tree over a cache of {length} positions")
         commit_path(self.cache, tree, path)
+
+    def new_batch(self):
+        from speculant.backends.torch.batch import TorchBatch
+
+        return TorchBatch(self)
 
     def greedy_steps(self, anchor_id: int) -> Iterator[int] | None:
         """Plain greedy decoding on the compiled path: the width-1 graph's argmax stays on the

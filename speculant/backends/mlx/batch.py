@@ -1,0 +1,203 @@
+"""Several live sequences verified in one forward of an MLX target (issue #39, docs/batching.md).
+
+The same design as the PyTorch batch (``backends/torch/batch.py``) over the same bookkeeping
+(``core.batch.RowBook``): one rectangular cache per attention layer, ``[rows, heads, columns,
+dim]``; a verify block right-padded to the widest row. mlx-lm's attention reads neither positions
+nor a mask from its caller: it rotates at ``cache.offset`` and asks the cache for its mask. So each
+layer's :class:`RowsCache` answers with an ``offset`` array (each row's first block position;
+``mx.fast.rope`` takes one offset per row) and with the row book's mask. A sequence joins through
+the same forward over a one-row cache of its own (in chunks of ``PREFILL_STEP`` rows, as the
+single-sequence prefill), then becomes a row. Full and sliding-window
+attention (sliding rows kept at full length, masked to the window); Gated DeltaNet is refused
+(``core.batch.batch_problem``).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import _BaseCache
+
+from speculant.backends.mlx.caches import WindowKVCache, target_cache
+from speculant.backends.mlx.target import PREFILL_STEP, _join
+from speculant.core.batch import BatchedTarget, RowBook, batch_problem
+from speculant.core.types import Capture, ForwardOutput
+
+
+class RowsCache(_BaseCache):
+    """One attention layer's keys and values of every row; ``offset`` and the mask are the
+    current forward's, set by :class:`MLXBatch` before it runs."""
+
+    def __init__(self, window: int | None) -> None:
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset: mx.array | int = 0
+        self.mask: mx.array | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        return self.keys, self.values
+
+    def make_mask(self, N: int, *args, **kwargs) -> mx.array | None:
+        return self.mask
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def gather(self, index: mx.array, axis: int) -> None:
+        """Keep the rows (``axis`` 0, ``index`` [rows]) or each row's columns (``axis`` 2,
+        ``index`` [rows, columns])."""
+        if self.keys is None:
+            return
+        if axis == 0:
+            self.keys, self.values = mx.take(self.keys, index, axis=0), mx.take(self.values, index, axis=0)
+            return
+        shape = (*self.keys.shape[:2], index.shape[1], self.keys.shape[3])
+        where = mx.broadcast_to(index[:, None, :, None], shape)
+        self.keys = mx.take_along_axis(self.keys, where, axis=2)
+        self.values = mx.take_along_axis(self.values, where, axis=2)
+
+    def append_row(self, other: "RowsCache", columns: int) -> None:
+        """Add ``other``'s one row below these, both padded to ``columns``."""
+        if self.keys is None:
+            self.keys, self.values = other.keys, other.values
+            return
+        self.keys = mx.concatenate([_pad(self.keys, columns), _pad(other.keys, columns)], axis=0)
+        self.values = mx.concatenate([_pad(self.values, columns), _pad(other.values, columns)], axis=0)
+
+
+class MLXBatch(BatchedTarget):
+    """The live sequences of one batch over ``target`` (an ``MLXTarget``), row ``i`` being ``keys[i]``."""
+
+    compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
+
+    def __init__(self, target) -> None:
+        problem = batch_problem(target.info)
+        if problem is not None:
+            raise ValueError(problem)
+        self.target = target
+        self.keys: list[Hashable] = []
+        self._windows = [c.window if isinstance(c, WindowKVCache) else None
+                         for c in target_cache(target.model, target.info.sliding_window)]
+        self._empty()
+
+    def _empty(self) -> None:
+        self.layers = self._new_layers()
+        self.book = RowBook(self.compact_at)
+
+    def _new_layers(self) -> list[RowsCache]:
+        return [RowsCache(window) for window in self._windows]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.book.lengths.tolist()
+
+    def lengths_before_block(self) -> list[int]:
+        if self.book.block is None:
+            raise RuntimeError("no block was verified since the last crop")
+        return self.book.block[0].tolist()
+
+    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
+        if key in self.keys:
+            raise ValueError(f"sequence {key!r} is already in the batch")
+        self._between_cycles("join")
+        if len(token_ids) == 0:
+            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
+        solo, book = self._new_layers(), RowBook()
+        book.add_row(0)
+        features, finals = [], []
+        for start in range(0, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
+            logits, f, h = self._forward([list(token_ids[start:start + PREFILL_STEP])], solo, book, capture)
+            features.append(_row(f, 0))
+            finals.append(_row(h, 0))
+            mx.eval([logits] + [a for layer in solo for a in layer.state] + [a for a in (f, h) if a is not None])
+        self.book.add_row(len(token_ids))
+        for layer, new in zip(self.layers, solo):
+            layer.append_row(new, self.book.columns)
+        self.keys.append(key)
+        self._settle(logits)
+        return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
+
+    def leave(self, key: Hashable) -> None:
+        self._between_cycles("leave")
+        row = self.keys.index(key)
+        del self.keys[row]
+        if not self.keys:
+            self._empty()
+            return
+        kept = mx.array([i for i in range(len(self.keys) + 1) if i != row])
+        for layer in self.layers:
+            layer.gather(kept, axis=0)
+        self.book.drop_row(row)
+        self._compact()  # the trailing columns only the row that left used
+
+    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
+        self._between_cycles("verify")
+        if len(blocks) != len(self.keys):
+            raise ValueError(f"verify got {len(blocks)} blocks for a batch of {len(self.keys)} sequences")
+        widths = [len(block) for block in blocks]
+        if min(widths, default=0) < 1:
+            raise ValueError(f"every sequence's block needs its anchor token; widths were {widths}")
+        logits, features, final = self._forward(blocks, self.layers, self.book, capture)
+        self._settle(logits)
+        return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
+                              final_hidden=_row(final, row, width))
+                for row, width in enumerate(widths)]
+
+    def crop(self, lengths: Sequence[int]) -> None:
+        if self.book.crop(lengths, self.keys):
+            self._compact()
+
+    def _between_cycles(self, what: str) -> None:
+        if self.book.block is not None:
+            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
+
+    def _forward(self, blocks: Sequence[Sequence[int]], layers: list[RowsCache], book: RowBook, capture: Capture):
+        """One forward of ``blocks`` (right-padded with 0, masked) after ``layers``' rows."""
+        widest = max(len(block) for block in blocks)
+        ids = np.zeros((len(blocks), widest), dtype=np.int32)
+        for row, block in enumerate(blocks):
+            ids[row, : len(block)] = block
+        query = book.open_block([len(block) for block in blocks])
+        masks = {window: mx.array(book.visible(query, window))[:, None] for window in set(self._windows)}
+        for layer in layers:
+            layer.offset, layer.mask = mx.array(query[:, 0]), masks[layer.window]
+        recorder = self.target._recorder
+        recorder.start(capture)
+        try:
+            logits = self.target.model(mx.array(ids), cache=layers)
+        except BaseException:
+            recorder.start(Capture())  # stop recording; keep the original error
+            raise
+        features, final = recorder.finish(capture, batched=True)
+        if book is not self.book:  # a joining sequence's own forward: its book is done with
+            book.block = None
+        return logits, features, final
+
+    def _settle(self, logits: mx.array) -> None:
+        """Evaluate the forward and the caches now, so the graph does not grow across cycles."""
+        mx.eval([logits] + [a for layer in self.layers for a in layer.state])
+
+    def _compact(self) -> None:
+        order = mx.array(self.book.compaction())
+        for layer in self.layers:
+            layer.gather(order, axis=2)
+
+
+def _pad(array: mx.array, columns: int) -> mx.array:
+    missing = columns - int(array.shape[2])
+    return array if missing == 0 else mx.pad(array, [(0, 0), (0, 0), (0, missing), (0, 0)])
+
+
+def _row(states: mx.array | None, row: int, width: int | None = None) -> mx.array | None:
+    if states is None:
+        return None
+    return states[row] if width is None else states[row, :width]

@@ -1,0 +1,145 @@
+"""What a backend offers to verify several live sequences in one target forward (docs/batching.md).
+
+The batch scheduler of issue #39 will stand on this: each cycle it verifies every sequence's
+anchor + drafts (ragged widths) in one :meth:`BatchedTarget.verify` and rolls each sequence back to
+its own accepted length with one :meth:`BatchedTarget.crop`; sequences join and leave between
+cycles. Arrays are the backend's, handled through its ``ArrayOps`` as everywhere in core.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from speculant.core.types import Capture, ForwardOutput, TargetInfo
+
+_BATCHED_KINDS = ("full_attention", "sliding_attention")
+
+
+def batch_problem(info: TargetInfo) -> str | None:
+    """Why the target's layers cannot be verified batched, or None (every backend batches the same kinds)."""
+    refused = sorted({kind for kind in info.layer_types if kind not in _BATCHED_KINDS})
+    if not refused:
+        return None
+    return (f"batched verify does not roll back {', '.join(refused)} layers per sequence yet "
+            f"(target family {info.model_type}); it batches {' and '.join(_BATCHED_KINDS)} only")
+
+
+class BatchedTarget(ABC):
+    """The live sequences of one batch over a loaded target; row ``i`` is sequence ``keys[i]``.
+    Calls alternate: any joins and leaves, one verify, one crop, then again."""
+
+    keys: list[Hashable]
+
+    @property
+    @abstractmethod
+    def lengths(self) -> list[int]:
+        """Each sequence's cache length (positions held), in row order."""
+
+    @abstractmethod
+    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
+        """Prefill a new sequence ``key`` and add it as the last row: logits of its last prompt
+        position, captured states of every one. Only between cycles."""
+
+    @abstractmethod
+    def leave(self, key: Hashable) -> None:
+        """Drop sequence ``key`` and its cache rows. Only between cycles."""
+
+    @abstractmethod
+    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
+        """Run ``blocks[i]`` (anchor + drafts of ``keys[i]``, one token or more) after each
+        sequence's cache, in one forward; per sequence, the logits and captured states of its rows."""
+
+    @abstractmethod
+    def lengths_before_block(self) -> list[int]:
+        """Each sequence's cache length before the last verified block."""
+
+    @abstractmethod
+    def crop(self, lengths: Sequence[int]) -> None:
+        """After :meth:`verify`: keep each sequence's first ``lengths[i]`` positions, between its
+        length before the block and that plus the block's width (its own accepted length)."""
+
+
+class RowBook:
+    """Which cache columns hold which positions of which row, on the host (numpy), for every
+    backend's :class:`BatchedTarget` over one rectangular cache ``[rows, ..., columns, ...]``.
+
+    ``valid[r, c]``: column ``c`` holds a position of row ``r``; ``positions[r, c]``: which one.
+    A verify block appends ``widest`` columns to every row (the padding ones not valid); a crop
+    clears the valid bits past each row's accepted length; :meth:`compaction` gives the gather
+    that moves each row's held columns first, once holes pass ``compact_at`` of the cells."""
+
+    def __init__(self, compact_at: float = 0.25) -> None:
+        self.compact_at = compact_at
+        self.valid = np.zeros((0, 0), dtype=bool)
+        self.positions = np.zeros((0, 0), dtype=np.int64)
+        self.block: tuple[np.ndarray, list[int]] | None = None  # (lengths before, widths) of the open block
+
+    @property
+    def columns(self) -> int:
+        return int(self.valid.shape[1])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.valid.sum(axis=1)
+
+    def add_row(self, length: int) -> None:
+        """A row holding positions ``0 .. length - 1`` in its first columns (the cache pads to :attr:`columns`)."""
+        columns = max(self.columns, length)
+        row = np.arange(columns) < length
+        self.valid = np.concatenate([_pad(self.valid, columns), row[None]], axis=0)
+        self.positions = np.concatenate([_pad(self.positions, columns), np.arange(columns)[None]], axis=0)
+
+    def drop_row(self, row: int) -> None:
+        self.valid = np.delete(self.valid, row, axis=0)
+        self.positions = np.delete(self.positions, row, axis=0)
+
+    def open_block(self, widths: Sequence[int]) -> np.ndarray:
+        """Append a block of ``widths[r]`` positions to each row; the positions ``[rows, widest]``."""
+        if self.block is not None:
+            raise RuntimeError("crop the last verified block before the next")
+        widest, lengths = max(widths), self.lengths
+        query = lengths[:, None] + np.arange(widest)[None, :]
+        self.valid = np.concatenate([self.valid, np.arange(widest)[None, :] < np.asarray(widths)[:, None]], axis=1)
+        self.positions = np.concatenate([self.positions, query], axis=1)
+        self.block = (lengths, list(widths))
+        return query
+
+    def visible(self, query: np.ndarray, window: int | None) -> np.ndarray:
+        """``[rows, queries, columns]``: which columns each query of the last block reads (its
+        row's held positions up to its own, within ``window`` positions back when one is given)."""
+        distance = query[:, :, None] - self.positions[:, None, :]
+        allowed = self.valid[:, None, :] & (distance >= 0)
+        return allowed & (distance < window) if window is not None else allowed
+
+    def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
+        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now."""
+        if self.block is None:
+            raise RuntimeError("crop rolls back the last verify block; no block was verified since the last crop")
+        before, widths = self.block
+        if len(lengths) != len(widths):
+            raise ValueError(f"crop got {len(lengths)} lengths for a batch of {len(widths)} sequences")
+        start = self.columns - max(widths)  # the block's first column
+        for row, (length, first, width) in enumerate(zip(lengths, before.tolist(), widths)):
+            if not first <= length <= first + width:
+                raise ValueError(f"sequence {names[row]!r}: crop to {length} outside its last block "
+                                 f"({first} .. {first + width} positions)")
+            self.valid[row, start + length - first:] = False
+        self.block = None
+        return self.valid.size - int(self.valid.sum()) > self.compact_at * self.valid.size
+
+    def compaction(self) -> np.ndarray:
+        """Apply a compaction here and return its gather ``[rows, longest]`` of column indices,
+        for the cache to apply to its keys and values."""
+        counts = self.lengths
+        longest = int(counts.max()) if counts.size else 0
+        order = np.argsort(~self.valid, axis=1, kind="stable")[:, :longest]  # held columns first, in order
+        self.positions = np.take_along_axis(self.positions, order, axis=1)
+        self.valid = np.arange(longest)[None, :] < counts[:, None]
+        return order
+
+
+def _pad(book: np.ndarray, columns: int) -> np.ndarray:
+    return np.pad(book, ((0, 0), (0, columns - book.shape[1])))

@@ -1,0 +1,207 @@
+"""Batched verify (core/batch.py; backends/torch/batch.py, backends/mlx/batch.py; issue #39): several sequences of
+different prompt lengths in one forward a cycle, each with its own acceptance pattern, joining and
+leaving at different cycles; each must equal its solo plain-greedy run token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculant.api import load_engine  # noqa: E402
+from speculant.core.types import Capture  # noqa: E402
+from speculant.testing.tiny import build_tiny_target  # noqa: E402
+from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
+
+BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+# the default backend.compile: the batch runs the model eagerly over its own cache beside the
+# target's fast path (transposed / packed weights on the CPU) and must agree with that path's solo run
+BACKENDS = {"torch": BACKEND, "mlx": {**BACKEND, "kind": "mlx"}}
+BACKEND_PARAMS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
+NEW = 40  # crosses the sliding window (16) of the sliding families
+# (prompt, the cycle it joins at, its drafting pattern); prompt lengths all differ
+SEQUENCES = {
+    "whole": (list(range(5, 12)), 0, "whole"),  # drafts the true continuation: always accepted whole
+    "never": (list(range(30, 50)), 0, "never"),  # its first draft is always wrong: rejected at 0
+    "mixed": (list(range(60, 63)), 0, "mixed"),  # right up to a point that moves each cycle
+    "late": (list(range(90, 103)), 2, "mixed"),  # joins at the third cycle
+}
+CAPTURE = Capture(layer_ids=(1, 2), final_hidden="post_norm")
+# dense; all sliding; sliding + full (Gemma 3; gpt-oss with sinks; Muse Glimmer without rope on full layers)
+TARGETS = ("qwen3", "llama", "mistral", "gemma3_text", "gpt_oss", "muse_glimmer")
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, torch_threads):
+    root = tmp_path_factory.mktemp("batch_targets")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = (build_tiny_target(root / name) if name == "qwen3"
+                           else build_tiny_family(root / name, name, sliding_window=16))
+        return built[name]
+
+    return get
+
+
+def engine_for(path, backend="torch"):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        pytest.importorskip("mlx_lm")
+    return load_engine({"backend": BACKENDS[backend], "target": {"path": str(path)}})
+
+
+def batch_class(backend: str):
+    if backend == "mlx":
+        from speculant.backends.mlx.batch import MLXBatch
+
+        return MLXBatch
+    from speculant.backends.torch.batch import TorchBatch
+
+    return TorchBatch
+
+
+def solo_tokens(engine, prompt) -> list[int]:
+    return engine.run(prompt_ids=prompt, max_new_tokens=NEW, ignore_eos=True).token_ids
+
+
+def drafts_for(pattern: str, truth: list[int], cycle: int, vocab: int) -> list[int]:
+    """Drafts after the anchor: ``truth`` is the solo run's continuation from here."""
+    width = {"whole": 5, "never": 3, "mixed": 1 + cycle % 6}[pattern]
+    drafts = list(truth[:width])
+    if pattern == "never" and drafts:
+        drafts[0] = (drafts[0] + 1) % vocab
+    if pattern == "mixed" and drafts:
+        wrong = cycle % (width + 1)  # sometimes past the end: all right
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % vocab
+    return drafts
+
+
+def batched_greedy(batch, solo: dict, check=None) -> tuple[dict, dict]:
+    """Run every sequence of SEQUENCES through ``batch`` with greedy acceptance; returns each one's
+    tokens and how many drafts it had accepted each cycle. ``check(key, context, block, out)``
+    sees each verified row: the sequence's tokens so far (not the anchor), its block, its output."""
+    emitted = {key: [] for key in SEQUENCES}
+    accepted = {key: [] for key in SEQUENCES}
+    cycle = 0
+    while batch.keys or cycle <= max(joins_at for _, joins_at, _ in SEQUENCES.values()):
+        for key, (prompt, joins_at, _) in SEQUENCES.items():
+            if joins_at == cycle:
+                out = batch.join(key, prompt, CAPTURE)
+                assert out.features.shape[0] == len(prompt)
+                vocab = int(out.logits.shape[-1])
+                emitted[key].append(int(np.asarray(out.logits[-1]).argmax()))
+        blocks = []
+        for key in batch.keys:
+            tokens = emitted[key]
+            blocks.append([tokens[-1]] + drafts_for(SEQUENCES[key][2], solo[key][len(tokens):], cycle, vocab))
+        outs = batch.verify(blocks, CAPTURE)
+        lengths = []
+        for key, block, out, before in zip(batch.keys, blocks, outs, batch.lengths_before_block()):
+            # the captured final hidden state is this sequence's own: its head gives its logits
+            head = np.asarray(batch.target.lm_head(out.final_hidden))
+            assert np.allclose(head, np.asarray(out.logits), atol=1e-4)
+            assert tuple(out.features.shape) == (len(block), 2 * out.final_hidden.shape[-1])
+            if check is not None:
+                check(key, SEQUENCES[key][0] + emitted[key][:-1], block, out)
+            choices = np.asarray(out.logits).argmax(axis=-1).tolist()
+            taken = 0
+            while taken < len(block) - 1 and block[1 + taken] == choices[taken]:
+                taken += 1
+            accepted[key].append(taken)
+            emitted[key].extend(block[1: 1 + taken] + [choices[taken]])
+            lengths.append(before + 1 + taken)
+        batch.crop(lengths)
+        for key in list(batch.keys):
+            if len(emitted[key]) >= NEW:
+                batch.leave(key)
+        cycle += 1
+    return {key: tokens[:NEW] for key, tokens in emitted.items()}, accepted
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize(("name", "compact_at"), [(name, 0.25) for name in TARGETS]
+                         + [(name, at) for name in ("qwen3", "mistral") for at in (0.0, 1.0)])
+def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact_at, backend, monkeypatch):
+    engine = engine_for(targets(name), backend)
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    cls = batch_class(backend)
+    monkeypatch.setattr(cls, "compact_at", compact_at)
+    if backend == "mlx":  # prompts of 3 .. 20 tokens join in chunks of 6
+        monkeypatch.setattr("speculant.backends.mlx.batch.PREFILL_STEP", 6)
+    batch = cls(engine.target)
+    got, accepted = batched_greedy(batch, solo)
+    assert all(a == 5 for a in accepted["whole"][:-1]), accepted["whole"]
+    assert set(accepted["never"]) == {0}
+    assert len(set(accepted["mixed"])) > 2  # the acceptance patterns really differ
+    for key in SEQUENCES:
+        assert got[key] == solo[key], key
+    assert batch.keys == [] and batch.book.columns == 0
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_each_rows_logits_and_states_equal_a_solo_forward(targets, name, backend):
+    """Sampling reads the whole distribution, not its argmax: each row's logits and captured
+    states equal those of the same block verified alone after the same tokens (float32)."""
+    engine = engine_for(targets(name), backend)
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    target, ops = engine.target, engine.backend
+    compared = []
+
+    def check(key, context, block, out):
+        target.reset()
+        target.prefill(context, CAPTURE)
+        alone = target.forward(ops.int_array(block), CAPTURE)
+        for got, want in ((out.logits, alone.logits), (out.features, alone.features),
+                          (out.final_hidden, alone.final_hidden)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
+        compared.append(key)
+
+    batched_greedy(target.new_batch(), solo, check)
+    assert set(compared) == set(SEQUENCES)
+
+
+def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypatch):
+    """The test above sees per-sequence state leak: every row cropped to the first row's accepted count."""
+    from speculant.backends.torch.batch import TorchBatch
+
+    engine = engine_for(targets("qwen3"))
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    crop = TorchBatch.crop
+
+    def shared_crop(self, lengths):
+        before = self.lengths_before_block()
+        taken = lengths[0] - before[0]
+        crop(self, [b + min(taken, w) for b, w in zip(before, self.book.block[1])])
+
+    monkeypatch.setattr(TorchBatch, "crop", shared_crop)
+    got, _ = batched_greedy(TorchBatch(engine.target), solo)
+    assert any(got[key] != solo[key] for key in SEQUENCES)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_bad_calls_say_what_to_do(targets, backend):
+    batch = engine_for(targets("qwen3"), backend).target.new_batch()
+    batch.join("a", [5, 6, 7])
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.join("a", [5])
+    with pytest.raises(ValueError, match="needs its anchor"):
+        batch.verify([[]])
+    with pytest.raises(RuntimeError, match="no block was verified"):
+        batch.crop([3])
+    batch.verify([[8, 9]])
+    with pytest.raises(ValueError, match="outside its last block"):
+        batch.crop([6])
+    with pytest.raises(RuntimeError, match="crop the last verified block first"):
+        batch.join("b", [5])
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_gated_deltanet_targets_are_refused_by_name(tmp_path, torch_threads, backend):
+    engine = engine_for(build_tiny_family(tmp_path / "qwen3_5", "qwen3_5"), backend)
+    with pytest.raises(ValueError, match="linear_attention"):
+        engine.target.new_batch()

@@ -1,0 +1,44 @@
+"""core.batch.RowBook, the row bookkeeping both backends' batches share (no array library)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speculant.core.batch import RowBook
+
+
+def test_rows_keep_their_own_positions_through_blocks_crops_and_compaction():
+    book = RowBook(compact_at=1.0)  # compact only when asked
+    book.add_row(3)
+    book.add_row(1)
+    query = book.open_block([2, 4])
+    assert query.tolist() == [[3, 4, 5, 6], [1, 2, 3, 4]]
+    seen = book.visible(query, None)
+    assert seen[0, 1].tolist() == [True] * 5 + [False, False]  # its prompt and block so far, not its padding
+    assert seen[1, 0].tolist() == [True, False, False, True, False, False, False]  # its own held column, then itself
+    assert not book.crop([4, 1], names=["a", "b"])  # a keeps one of its block, b none
+    assert book.lengths.tolist() == [4, 1]
+    order = book.compaction()
+    assert order.shape == (2, 4)
+    assert book.positions[0].tolist() == [0, 1, 2, 3] and book.positions[1, :1].tolist() == [0]
+    assert book.valid.tolist() == [[True] * 4, [True, False, False, False]]
+
+
+def test_a_window_hides_positions_that_far_back():
+    book = RowBook()
+    book.add_row(5)
+    seen = book.visible(book.open_block([1]), window=2)
+    assert seen[0, 0].tolist() == [False, False, False, False, True, True]
+
+
+def test_a_crop_outside_the_last_block_names_the_sequence():
+    book = RowBook()
+    book.add_row(3)
+    with pytest.raises(RuntimeError, match="no block was verified"):
+        book.crop([3], names=["a"])
+    book.open_block([2])
+    with pytest.raises(ValueError, match="sequence 'a': crop to 6 outside its last block"):
+        book.crop([6], names=["a"])
+    assert book.crop([3], names=["a"]) is True  # two of five cells are holes: past 25 %
+    assert np.array_equal(book.compaction(), [[0, 1, 2]])
