@@ -80,7 +80,7 @@ from test_tree_engine import (BACKEND, BACKEND_PARAMS, PROMPT, backend_config, p
 def adaptive_engine(pair, backend="torch", **options):
     import speculant
 
-    verifier = {"kind": "adaptive", "options": {**PINNED, "tree_budgets": [4, 8], "tree_width": 3,
+    verifier = {"kind": "adaptive", "options": {**PINNED, "tree": "auto", "tree_budgets": [4, 8], "tree_width": 3,
                                                 "tree_explore_every": 2, **options}}
     return speculant.load_engine({"backend": backend_config(backend), "target": {"path": str(pair["target"])},
                                   "drafter": {"kind": "dflash", "path": str(pair["dflash"])}, "verifier": verifier})
@@ -141,7 +141,7 @@ def repetitive_prompt(pair) -> list[int]:
 
 
 @pytest.mark.parametrize("verifier", [{"kind": "tree", "options": {"budget": 4, "width": 2}},
-                                      {"kind": "adaptive", "options": {**PINNED, "tree_budgets": [4]}}],
+                                      {"kind": "adaptive", "options": {**PINNED, "tree": "auto", "tree_budgets": [4]}}],
                          ids=["tree", "adaptive"])
 def test_a_lookup_copy_is_a_path_of_the_tree_and_output_stays_plain(real_pair, verifier):
     import speculant
