@@ -23,7 +23,7 @@ from speculant.api import load_engine  # noqa: E402
 from speculant.core.prefix_cache import PrefixStore  # noqa: E402
 from speculant.core.types import Capture  # noqa: E402
 from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
-from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
+from speculant.testing.tiny_families import FAMILIES as TINY_FAMILIES, build_tiny_family  # noqa: E402
 
 NEW = 64
 BLOCK = 8
@@ -119,6 +119,22 @@ def engines(family):
         return done[name, backend]
 
     return get
+
+
+# every other family docs/families.md lists, one case each (the three above run every case)
+OTHER_FAMILIES = tuple(f for f in TINY_FAMILIES if f not in FAMILIES)
+
+
+@pytest.mark.parametrize("name", OTHER_FAMILIES)
+@pytest.mark.parametrize("backend", [b for b in ON if b.values[0] in ("torch", "mlx")])
+def test_every_family_resumes_with_the_cold_tokens(engines, backend, name):
+    engine, expected = engines(name, backend)
+    length, tail = CASES["inside a window"]
+    prompt = prefix_of(length) + TAIL[:tail]
+    run(engine, prefix_of(length), new=1)
+    result = run(engine, prompt)
+    assert result.stats.cached_tokens == length
+    assert result.token_ids == expected[tuple(prompt)], name
 
 
 @pytest.mark.parametrize("case", CASES)
