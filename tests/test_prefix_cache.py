@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -309,3 +310,38 @@ def test_prompts_sharing_a_system_prefix_get_a_checkpoint_there(family, backend,
     third = run(engine, system + users[2])
     assert third.stats.cached_tokens == len(system)
     assert third.token_ids == want
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_sampling_from_a_restored_prefix_follows_the_target(family, name):
+    """The first two sampled tokens after a restored prefix (hybrid state included) follow the
+    target's own two-token law at temperature 1 (chi-square over many seeded requests); a request
+    that restored the wrong state would follow another law."""
+    from speculant.core.sampling import target_probs
+    from speculant.core.types import SamplingParams
+    from stats_helpers import gof_pvalue
+
+    engine = planted(family(name), script=[], prefix_cache={"max_bytes": 1 << 30}, sampling={"temperature": 1.0})
+    prompt = prefix_of(40) + TAIL[:4]
+    sampling, ops = SamplingParams(temperature=1.0), engine.backend.ops
+
+    def next_probs(ids):
+        engine.target.reset()
+        logits = engine.target.prefill(ids).logits[-1:]
+        return ops.to_numpy(target_probs(ops, logits, sampling))[0].astype(np.float64)
+
+    first = next_probs(prompt)
+    top = np.argsort(-first)[:6]  # the second token's law after each likely first token
+    second = {int(a): next_probs(prompt + [int(a)]) for a in top}
+    engine.prefix_store.clear()
+    run(engine, prefix_of(40), new=1)  # stores the prefix every request below restores
+    firsts, pairs = [], []
+    for seed in range(1500):
+        result = engine.run(prompt_ids=prompt, max_new_tokens=2, ignore_eos=True, seed=seed)
+        assert result.stats.cached_tokens >= 40  # the prefix, or (full attention) the prompt a run before stored
+        a, b = result.token_ids[:2]
+        firsts.append(a)
+        if a == int(top[0]):
+            pairs.append(b)
+    assert gof_pvalue(np.array(firsts), first) > 1e-3
+    assert len(pairs) > 50 and gof_pvalue(np.array(pairs), second[int(top[0])]) > 1e-3
