@@ -23,13 +23,13 @@ def base(tmp_path_factory, torch_threads):
     return build_tiny_target(tmp_path_factory.mktemp("mtp_fwd") / "base", seed=5)
 
 
-def make_engine(target, folder=None, **options):
+def make_engine(target, folder=None, compile="auto", **options):
     import speculant
 
     drafter = {"kind": "mtp", "options": options}
     if folder is not None:
         drafter["path"] = str(folder)
-    return speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+    return speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32", "compile": compile},
                                          "target": {"path": str(target)}, "drafter": drafter})
 
 
@@ -288,8 +288,10 @@ def test_recursion_reuses_layers_and_recycles_the_configured_hidden(base, tmp_pa
     the recycle tap and the step-1 tap are observable in the drafts."""
     canonical = canonical_mtp(base, 2, seed=17, num_heads=2)
     target, _ = write(base, tmp_path, canonical, "deepseek", "recycle")
-    pre = draft_probs(make_engine(target, sample_drafts=True, recycle_hidden="pre_norm"), k=3)[0].draft_probs
-    post = draft_probs(make_engine(target, sample_drafts=True, recycle_hidden="post_norm"), k=3)[0].draft_probs
+    # compile off: the fast path picks its kernels by timing them, and under load two engines may
+    # pick differently, which moves the last bit (a failure seen once in a full parallel run)
+    pre = draft_probs(make_engine(target, compile="off", sample_drafts=True, recycle_hidden="pre_norm"), k=3)[0].draft_probs
+    post = draft_probs(make_engine(target, compile="off", sample_drafts=True, recycle_hidden="post_norm"), k=3)[0].draft_probs
     torch.testing.assert_close(pre[0], post[0], atol=0, rtol=0)  # step 1 uses the target hidden only
     assert (pre[1:] - post[1:]).abs().max() > 1e-4
     # the tap is observable only if the target's final norm is more than a scale (tiny targets init it to ones)
