@@ -12,6 +12,7 @@ That is exactly what running the root-to-``i`` path as its own chain would compu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -134,6 +135,25 @@ class _Gather:
 
 
 GATHER = _Gather()
+
+
+def conv_windows(parents: Sequence[int], kernel: int, cached: int) -> list[list[int]]:
+    """For a causal convolution of ``kernel`` taps over ``cached`` rows followed by the tree's
+    nodes: each node's input rows, oldest first (its ancestors' rows, then the cached ones)."""
+    windows = []
+    for i in range(len(parents)):
+        column, back, node = [], 0, i
+        while len(column) < kernel:
+            if node >= 0:
+                column.append(cached + node)
+                node = parents[node]
+            else:
+                back += 1
+                column.append(cached - back)
+        windows.append(column[::-1])
+    if windows and min(min(w) for w in windows) < 0:
+        raise RuntimeError("the cached convolution window is shorter than the kernel")
+    return windows
 
 
 def kept_rows(tree: DraftTree, path: list[int] | tuple[int, ...]) -> list[int]:

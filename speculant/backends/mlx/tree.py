@@ -28,7 +28,7 @@ from speculant.backends.mlx import caches as cache_kinds
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache
 from speculant.backends.mlx.static import StaticKVCache
 from speculant.backends.mlx.wrapper import Wrapper
-from speculant.core.tree import DraftTree, kept_rows
+from speculant.core.tree import DraftTree, conv_windows, kept_rows
 
 
 class TreeRope(Wrapper):
@@ -159,17 +159,7 @@ def tree_conv(conv: nn.Module, x: mx.array, parents: Sequence[int]) -> mx.array:
     weight = conv.weight  # [C, kernel, 1]
     kernel, nodes = int(weight.shape[1]), len(parents)
     cached = int(x.shape[1]) - nodes
-    windows = []
-    for i in range(nodes):
-        column, back, node = [], 0, i
-        while len(column) < kernel:
-            if node >= 0:
-                column.append(cached + node)
-                node = parents[node]
-            else:
-                back += 1
-                column.append(cached - back)
-        windows.append(column[::-1])  # oldest first, as the kernel's taps
+    windows = conv_windows(parents, kernel, cached)
     gathered = mx.take(x, mx.array(windows), axis=1)  # [B, T, kernel, C]
     out = (gathered * mx.transpose(weight[:, :, 0])).sum(axis=2)
     if "bias" in conv:

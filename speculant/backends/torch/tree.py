@@ -29,7 +29,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from speculant.core.tree import DraftTree, kept_rows
+from speculant.core.tree import DraftTree, conv_windows, kept_rows
 
 
 def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
@@ -134,20 +134,7 @@ def tree_conv(hidden_states: torch.Tensor, weight: torch.Tensor, bias, activatio
     Returns [B, C, cached + T] (the cached columns' outputs are zero; callers keep the last T)."""
     nodes, kernel = len(parents), int(weight.shape[-1])
     cached = int(hidden_states.shape[-1]) - nodes
-    windows = []
-    for i in range(nodes):
-        column, back, node = [], 0, i
-        while len(column) < kernel:
-            if node >= 0:
-                column.append(cached + node)
-                node = parents[node]
-            else:
-                back += 1
-                column.append(cached - back)
-        windows.append(column[::-1])  # oldest first, as the kernel's taps
-    index = torch.as_tensor(windows, device=hidden_states.device)
-    if int(index.min()) < 0:
-        raise RuntimeError("the cached convolution window is shorter than the kernel")
+    index = torch.as_tensor(conv_windows(parents, kernel, cached), device=hidden_states.device)
     x = hidden_states.to(weight.dtype)[:, :, index]  # [B, C, T, K]
     out = (x * weight[None, :, None, :]).sum(-1)
     if bias is not None:
