@@ -32,6 +32,14 @@ class BatchedTarget(ABC):
     Calls alternate: any joins and leaves, one verify, one crop, then again."""
 
     keys: list[Hashable]
+    compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
+
+    def __init__(self, target) -> None:
+        problem = batch_problem(target.info)
+        if problem is not None:
+            raise ValueError(problem)
+        self.target = target
+        self.keys = []
 
     @property
     @abstractmethod

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from speculant.backends.mlx.caches import WindowKVCache, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
-from speculant.core.batch import BatchedTarget, RowBook, batch_problem
+from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
 
 
@@ -77,14 +77,8 @@ class RowsCache(_BaseCache):
 class MLXBatch(BatchedTarget):
     """The live sequences of one batch over ``target`` (an ``MLXTarget``), row ``i`` being ``keys[i]``."""
 
-    compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
-
     def __init__(self, target) -> None:
-        problem = batch_problem(target.info)
-        if problem is not None:
-            raise ValueError(problem)
-        self.target = target
-        self.keys: list[Hashable] = []
+        super().__init__(target)
         self._windows = [c.window if isinstance(c, WindowKVCache) else None
                          for c in target_cache(target.model, target.info.sliding_window)]
         self._empty()

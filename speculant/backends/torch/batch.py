@@ -33,21 +33,15 @@ from typing import Hashable, Sequence
 import torch
 from transformers import DynamicCache
 
-from speculant.core.batch import BatchedTarget, RowBook, batch_problem
+from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
 
 
 class TorchBatch(BatchedTarget):
     """The live sequences of one batch over ``target`` (a ``TorchTarget``), row ``i`` being ``keys[i]``."""
 
-    compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
-
     def __init__(self, target) -> None:
-        problem = batch_problem(target.info)
-        if problem is not None:
-            raise ValueError(problem)
-        self.target = target
-        self.keys: list[Hashable] = []
+        super().__init__(target)
         self._device = target.model.device
         kinds = tuple(dict.fromkeys(target.info.layer_types or ("full_attention",)))
         self._windows = {kind: target.info.sliding_window if kind == "sliding_attention" else None for kind in kinds}
