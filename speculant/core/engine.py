@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import operator
 import threading
 import warnings
@@ -14,11 +13,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
 from speculant.core.errors import EngineBusyError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
+from speculant.core.generation import Generation, _Cancelled, _Record
 from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.prefix_disk import prefix_store
-from speculant.core.text import StreamDecoder
 from speculant.core.problems import Report
+from speculant.core.scheduler import Request, Scheduler
 from speculant.core.schema import error_lines
 from speculant.core.types import Capture, Chunk
 from speculant.core.validator import sampling_problems
@@ -140,6 +140,49 @@ class Engine:
         sampling, generation, block = self._settings(max_new_tokens, overrides)
         return self._stream(ids, sampling, generation, block)
 
+    def generate_many(
+        self,
+        prompts: Sequence[str] | None = None,
+        *,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        max_new_tokens: int | None = None,
+        max_batch: int | None = None,
+        **overrides: Any,
+    ) -> Iterator[tuple[int, Chunk]]:
+        """Generate for several prompts at once: up to ``max_batch`` (default: all) are verified
+        in one target forward a cycle, the rest join as others end. Yields ``(index, chunk)`` as
+        each request produces text; a request's last chunk carries its ``stop_reason`` and stats
+        (``"error"`` and the exception in ``chunk.error`` where that request alone failed).
+
+        Each request's output is the one :meth:`generate` gives it alone (the same settings:
+        ``overrides`` as for :meth:`generate`). Every prompt and setting is checked before
+        anything runs; the engine is held until the iterator is exhausted or closed."""
+        add_special = overrides.pop("add_special_tokens", True)
+        self._check_idle()
+        if (prompts is None) == (prompt_ids is None):
+            raise SettingError("prompts / prompt_ids: pass exactly one of prompts or prompt_ids", "prompts")
+        if isinstance(prompts, str):
+            raise SettingError("prompts: must be a list of prompts, not one string; use generate() for one", "prompts")
+        items = ([self._prompt_ids(p, None, add_special) for p in prompts] if prompts is not None
+                 else [self._prompt_ids(None, ids) for ids in prompt_ids])
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+            raise SettingError(f"max_batch: must be a whole number of at least 1, got {max_batch!r}", "max_batch")
+        sampling, generation, block = self._settings(max_new_tokens, overrides)
+        loops = [Loop(self, ids, sampling, generation, block) for ids in items]  # a too-long prompt fails here
+        return self._many(loops, generation, max_batch or max(1, len(loops)))
+
+    def run_many(self, prompts: Sequence[str] | None = None, **kwargs: Any) -> list[GenerationResult]:
+        """:meth:`generate_many` to completion: one result per prompt, in order."""
+        texts: dict[int, list[str]] = {}
+        ids: dict[int, list[int]] = {}
+        ends: dict[int, Chunk] = {}
+        for index, chunk in self.generate_many(prompts, **kwargs):
+            texts.setdefault(index, []).append(chunk.text)
+            ids.setdefault(index, []).extend(chunk.token_ids)
+            if chunk.stop_reason is not None:
+                ends[index] = chunk
+        return [GenerationResult("".join(texts[i]), ids[i], ends[i].stats) for i in sorted(ends)]
+
     def run(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
         """Generate to completion and return text, token ids and stats."""
         # closed even when Ctrl-C lands between chunks: a traceback kept by a REPL would hold it open
@@ -227,122 +270,55 @@ class Engine:
         record = _Record()
         return Generation(self._locked_stream(prompt_ids, sampling_cfg, generation, block, record), record)
 
-    def _locked_stream(self, prompt_ids, sampling_cfg, generation, block, record: "_Record") -> Iterator[Chunk]:
+    def _many(self, loops: list[Loop], generation, max_batch: int) -> Iterator[tuple[int, Chunk]]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError(_BUSY)
-        loop = cycles = None
+        events = None
         try:
-            loop = Loop(self, prompt_ids, sampling_cfg, generation, block, record.cancel)
-            decoder = StreamDecoder(self.tokenizer, generation.stop_strings)
-            tail = ""
-            cycles = loop.cycles()
+            scheduler = Scheduler(self, max_batch)
+            for index, loop in enumerate(loops):
+                scheduler.add(Request(loop, generation.stop_strings, key=index))
+            events = scheduler.run()
+            for request, chunk in events:
+                yield request.key, chunk
+        finally:
+            if events is not None:
+                events.close()
+            self._busy.release()
+
+    def _locked_stream(self, prompt_ids, sampling_cfg, generation, block, record: _Record) -> Iterator[Chunk]:
+        if not self._busy.acquire(blocking=False):
+            raise EngineBusyError(_BUSY)
+        request = events = None
+        try:
+            request = Request(Loop(self, prompt_ids, sampling_cfg, generation, block, record.cancel),
+                              generation.stop_strings)
+            scheduler = Scheduler(self)  # a batch of one
+            scheduler.add(request)
+            events = scheduler.run()
             try:
-                for new_ids in cycles:
-                    text, hit = decoder.feed(new_ids)
-                    if hit is not None:  # a stop string ended inside the text just produced
-                        loop.stop("stop_string")
-                        kept = decoder.token_count_for_stop()
-                        loop.truncate(kept)
-                        trimmed = new_ids[: max(0, len(new_ids) - (decoder.total_tokens - kept))]
-                        yield Chunk(text, trimmed)
+                for _, chunk in events:
+                    if chunk.stop_reason is not None:
                         break
-                    if text or new_ids:
-                        yield Chunk(text, list(new_ids))
-                tail = decoder.flush()
+                    yield chunk
             except KeyboardInterrupt:  # while decoding text: the same end as inside a cycle
-                loop.stop("interrupted")
+                request.loop.stop("interrupted")
             except _Cancelled:  # Generation.cancel() while the stream waited at a chunk
-                loop.cancel.set()
-                loop.cancelled()  # keeps a reason already reached (a stop string's last chunk)
-                tail = decoder.flush()
+                request.loop.cancel.set()
+                request.loop.cancelled()  # keeps a reason already reached (a stop string's last chunk)
         finally:
             try:
-                if cycles is not None:
-                    cycles.close()  # its own cleanup (the pipelined greedy path's crop) runs while the engine is held
-                if loop is not None:
-                    loop.finish()
-                    record.stats = self.last_stats = loop.stats
-                    record.token_ids = self.last_token_ids = loop.produced
+                if events is not None:
+                    events.close()  # the loop's own cleanup (the pipelined greedy path's crop) runs while held
+                if request is not None:
+                    final = request.final()
+                    record.stats = self.last_stats = final.stats
+                    record.token_ids = self.last_token_ids = request.loop.produced
             finally:
                 self._busy.release()
-        yield Chunk(tail, [], loop.stats.stop_reason, loop.stats)
-
-
-class _Record:
-    """One request's outcome, filled in when it ends (shared by its Generation and its stream)."""
-
-    stats: GenerationStats | None = None
-    token_ids: list[int] = []
-
-    def __init__(self) -> None:
-        self.cancel = threading.Event()  # checked by the loop before every cycle
-
-
-class _Cancelled(Exception):
-    """Thrown into a waiting stream by :meth:`Generation.cancel`."""
-
-
-class Generation(Iterator[Chunk]):
-    """The chunks of one request, as :meth:`Engine.generate` returns them.
-
-    Iterate it for text as it is produced; the last chunk carries the finish reason and the stats.
-    ``stats`` and ``token_ids`` hold this request's own record once it has ended, closed early
-    (``close()``: the engine is freed and what was produced is kept) or failed.
-
-    An open generation holds the engine. Use it as a context manager (``with engine.generate(...)
-    as generation:``) so that an exception in your own loop body, Ctrl-C included, closes it;
-    ``cancel()`` ends it from any thread.
-    """
-
-    def __init__(self, chunks: Iterator[Chunk], record: _Record) -> None:
-        self._chunks = chunks
-        self._record = record
-        self._step = threading.Lock()  # one next() / close() / cancel() at a time, from any thread
-        self._final: Chunk | None = None  # the last chunk, made by a cancel() while nobody iterated
-
-    def __next__(self) -> Chunk:
-        with self._step:
-            if self._final is not None:
-                chunk, self._final = self._final, None
-                return chunk
-            return next(self._chunks)
-
-    def __enter__(self) -> "Generation":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """End the request now, keeping what was produced (``stop_reason`` ``"interrupted"``); the
-        engine is free when this returns."""
-        with self._step:
-            self._chunks.close()
-
-    def cancel(self) -> list[int]:
-        """End the request from any thread, keeping what was produced; returns its token ids.
-
-        A cycle in progress finishes first (this waits for it); the engine is free when this
-        returns, and the iterator then yields a last chunk with ``stop_reason`` ``"cancelled"`` and
-        the stats. Cancelling before the first chunk ends the request before its prefill; once the
-        request has ended, it does nothing."""
-        self._record.cancel.set()
-        with self._step:
-            state = inspect.getgeneratorstate(self._chunks) if inspect.isgenerator(self._chunks) else None
-            if state == inspect.GEN_SUSPENDED and self._record.stats is None:
-                try:
-                    self._final = self._chunks.throw(_Cancelled())
-                except StopIteration:
-                    pass
-        return self.token_ids
-
-    @property
-    def stats(self) -> GenerationStats | None:
-        return self._record.stats
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._record.token_ids)
+        if final.error is not None:
+            raise final.error
+        yield final
 
 
 _BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "

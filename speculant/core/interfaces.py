@@ -335,6 +335,10 @@ class Verifier(ABC):
     def __init__(self, options: dict | None = None) -> None:
         self.options = options or {}
 
+    def fork(self) -> "Verifier":
+        """A verifier with the same options and a per-request state of its own (one per batched request)."""
+        return type(self)(self.options)
+
     def begin(self, context_length: int) -> None:
         """A new sequence starts (policies reset per-request state here)."""
 

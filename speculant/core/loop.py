@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -18,10 +19,29 @@ from speculant.core.errors import ContextTooLongError, GenerationError
 from speculant.core.metrics import GenerationStats, target_name
 from speculant.core.prefix_request import PrefixRequest
 from speculant.core.tree_cycle import tree_cycle, trees_allowed
-from speculant.core.types import Capture, CycleTiming, Draft, DraftRequest, DraftSource, SamplingParams, Verification
+from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, DraftSource, ForwardOutput, SamplingParams,
+                                  Verification)
 
 if TYPE_CHECKING:
     from speculant.core.engine import Engine
+    from speculant.core.tree import DraftTree
+
+
+@dataclass
+class Proposal:
+    """What a cycle submits to the target after ``anchor`` (the last emitted token)."""
+
+    anchor: int
+    draft: Draft | None  # planned to ``num_tokens``; None: a plain target step
+    num_tokens: int
+    drafted: int  # proposals the drafter made before the plan cut them
+    source: DraftSource
+    draft_s: float
+    tree: "DraftTree | None" = None  # the tree verifier's, in place of the chain
+
+    def block(self, ops) -> list[int]:
+        """The block's token ids on the host: the anchor, then the draft."""
+        return [self.anchor] + ([] if self.draft is None else ops.to_list(self.draft.token_ids))
 
 
 class Loop:
@@ -30,6 +50,8 @@ class Loop:
     def __init__(self, engine: "Engine", prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int,
                  cancel: threading.Event | None = None):
         self.e = engine
+        # this sequence's own drafter and verifier state; the scheduler hands a batched one its own
+        self.drafter, self.verifier = engine.drafter, engine.verifier
         self.cancel = cancel or threading.Event()
         self.prompt_ids = prompt_ids
         self.sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k)
@@ -45,12 +67,14 @@ class Loop:
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._finished = False
+        self.batched = False  # verified in a batch (core/scheduler.py) rather than on the target's own cache
         limit = engine.verifier.max_context  # from this context on the request decodes plainly
         self.limit = limit
         self.timed = engine.time_phases or engine.verifier.needs_timings
         self.stats.phases_timed = self.timed
         within = limit is None or len(prompt_ids) < limit
         self.speculating = engine.drafter is not None and within
+        self.position = len(prompt_ids)  # the target's cache length once the prompt is in
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(engine)
         self._ahead: Draft | None = None  # the next cycle's draft, made before this one's verification
@@ -68,7 +92,7 @@ class Loop:
         e, setting = self.e, self.e.backend.config.draft_ahead
         wanted = setting == "on" or (setting == "auto" and e.backend.asynchronous)
         # timed phases would wait for each draft, and a sampled bonus token is drawn on the host
-        return wanted and e.verifier.allows_draft_ahead and self.sampling.is_greedy and not self.timed
+        return wanted and self.verifier.allows_draft_ahead and self.sampling.is_greedy and not self.timed
 
     def cancelled(self) -> bool:
         """True once ``cancel`` is set, which ends the request unless it already has a stop reason."""
@@ -82,32 +106,29 @@ class Loop:
     def truncate(self, n: int) -> None:
         del self.produced[n:]
 
+    @property
+    def ended(self) -> bool:
+        """True once the request has a stop reason (a stop token, its length, a cancel)."""
+        return self._stop_reason is not None or self.cancelled()
+
     def cycles(self) -> Iterator[list[int]]:
+        """The request on the target's own cache (a batch of one): the first token, then cycles."""
         e = self.e
         try:
             if self.cancelled():
                 return
             e.backend.reset_peak_memory()
             e.target.reset()
-            e.verifier.begin(len(self.prompt_ids))
             start = self.stats.cached_tokens = self.prefix.restore()
             out, _ = self._timed(lambda: self.prefix.prefill(start), "target_s")
-            first = self._verify(None, out.logits[-1:]).token_ids
-            self._t_first = time.perf_counter()
-            if self.speculating:
-                self._timed(lambda: e.drafter.prefill(self.prompt_ids, out, first[0]), "draft_s")
-            new = self._emit(first)
-            yield new
+            yield self.first(out)
             self.prefix.prompt_done()
-            position = len(self.prompt_ids)
-            steps = self._greedy_steps(first[-1]) if self._stop_reason is None and not self.cancelled() else None
+            steps = self._greedy_steps(self.produced[-1]) if not self.ended else None
             if steps is not None:
-                yield from self._plain_greedy(steps, position)
+                yield from self._plain_greedy(steps)
                 return
-            while self._stop_reason is None and not self.cancelled():
-                new = self._cycle(position, new[-1] if new else self.produced[-1])
-                position += len(new)
-                yield new
+            while not self.ended:
+                yield self._cycle()
         except KeyboardInterrupt:  # Ctrl-C in any phase: the request ends with what was emitted
             self._stop_reason = "interrupted"
         except GenerationError as exc:
@@ -115,33 +136,72 @@ class Loop:
             exc.token_ids = list(self.produced)
             raise
 
+    def into_batch(self) -> list[int]:
+        """Verify in a batch from now on (core/scheduler.py): trees, drafting ahead and the prefix
+        store's recording end for this request. The tokens whose cache its row holds: the prompt
+        and what was emitted but the last (the next anchor)."""
+        self.batched = True
+        self.trees = self.draft_ahead = False
+        self.prefix.active = False
+        return list(self.prompt_ids) + self.produced[:-1]
+
+    def first(self, out: ForwardOutput) -> list[int]:
+        """The first token from the prompt's prefill ``out`` (its logits and captured rows); the
+        drafter starts from it."""
+        self.verifier.begin(len(self.prompt_ids))
+        first = self._verify(None, out.logits[-1:]).token_ids
+        self._t_first = time.perf_counter()
+        if self.speculating:
+            self._timed(lambda: self.drafter.prefill(self.prompt_ids, out, first[0]), "draft_s")
+        return self._emit(first)
+
     def _greedy_steps(self, anchor: int):
         """The target's pipelined greedy path, for plain greedy requests that time nothing."""
-        if self.e.drafter is not None or not self.sampling.is_greedy or self.timed:
+        if self.drafter is not None or not self.sampling.is_greedy or self.timed:
             return None
         return self.e.target.greedy_steps(anchor)
 
-    def _plain_greedy(self, steps, position: int) -> Iterator[list[int]]:
-        e = self.e
+    def _plain_greedy(self, steps) -> Iterator[list[int]]:
         try:
             for token in steps:
-                e.verifier.observe(Verification(0, [token]), 0, CycleTiming(position, 0, 0, 0.0))
+                self.verifier.observe(Verification(0, [token]), 0, CycleTiming(self.position, 0, 0, 0.0))
                 new = self._emit([token])
                 self.stats.record_cycle(0, 0, len(new))
-                position += len(new)
+                self.position += len(new)
                 yield new
-                if self._stop_reason is not None or self.cancelled():
+                if self.ended:
                     break
         finally:
             steps.close()
-            e.target.crop(position)
+            self.e.target.crop(self.position)
 
     @property
     def capture(self) -> Capture:
-        return self.e.drafter.info.capture if self.speculating else Capture()
+        return self.drafter.info.capture if self.speculating else Capture()
 
-    def _cycle(self, position: int, anchor: int) -> list[int]:
-        e = self.e
+    def _cycle(self) -> list[int]:
+        """One cycle on the target's own cache: propose, verify in one forward, accept, crop."""
+        e, position = self.e, self.position
+        proposal = self.propose()
+        if proposal.tree is not None:
+            new = tree_cycle(self, position, proposal.tree, proposal.drafted, proposal.draft_s)
+            self.position += len(new)
+            return new
+        draft = proposal.draft
+        anchor_arr = e.backend.int_array([proposal.anchor])
+        block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
+        out, target_s = self._timed(lambda: e.target.forward(block, self.capture), "target_s")
+        if draft is not None and self.draft_ahead:
+            n = proposal.num_tokens
+            self._ahead = self._draft_ahead(out, position + n + 1, len(self.produced) + n + 1)
+        new, length = self.accept(proposal, out, target_s)
+        e.target.crop(length)
+        return new
+
+    def propose(self) -> "Proposal":
+        """This cycle's proposal after the last emitted token: a draft planned to its width (or
+        none: a plain step), or a tree for the tree verifier."""
+        e, position, anchor = self.e, self.position, self.produced[-1]
         if self.limit is not None and position >= self.limit:
             self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
         k = self._room(position)
@@ -154,34 +214,33 @@ class Loop:
             draft, draft_s = None, 0.0
         drafted = 0 if draft is None else draft.num_tokens
         source = DraftSource.MODEL if draft is None else draft.source
-        n = e.verifier.plan(draft, k, position) if draft is not None else 0
+        n = self.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
-        tree = e.verifier.tree(e.backend.ops, draft, anchor) if self.trees and draft is not None else None
-        if tree is not None:
-            return tree_cycle(self, position, tree, drafted, draft_s)
-        anchor_arr = e.backend.int_array([anchor])
-        block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
-        capture = self.capture
-        out, target_s = self._timed(lambda: e.target.forward(block, capture), "target_s")
-        if draft is not None and self.draft_ahead:
-            self._ahead = self._draft_ahead(out, position + n + 1, len(self.produced) + n + 1)
+        tree = self.verifier.tree(e.backend.ops, draft, anchor) if self.trees and draft is not None else None
+        return Proposal(anchor, draft, n, drafted, source, draft_s, tree)
+
+    def accept(self, proposal: "Proposal", out: ForwardOutput, target_s: float) -> tuple[list[int], int]:
+        """Take the target's verification ``out`` of ``proposal``'s block: the tokens emitted and
+        the cache length to crop the target back to (the caller crops)."""
+        position, n, draft = self.position, proposal.num_tokens, proposal.draft
         verification = self._verify(draft, out.logits)
         accepted = verification.accepted
-        e.target.crop(position + accepted + 1)
         self.prefix.committed(out, accepted + 1)
         if n > 0:
             self._last_whole = accepted == n
         commit_s = 0.0
         if self._ahead is not None and not self._keep_ahead(verification):
             self._ahead = None
-            e.drafter.withdraw_ahead()
+            self.drafter.withdraw_ahead()
         if self.speculating and self._ahead is None:
-            _, commit_s = self._timed(lambda: e.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
-        e.verifier.observe(verification, n, CycleTiming(position, n, drafted, target_s, draft_s, commit_s, source))
+            _, commit_s = self._timed(lambda: self.drafter.commit(out, accepted + 1, verification.token_ids), "draft_s")
+        self.verifier.observe(verification, n, CycleTiming(position, n, proposal.drafted, target_s, proposal.draft_s,
+                                                           commit_s, proposal.source))
         new = self._emit(verification.token_ids)
-        self.stats.record_cycle(n, accepted, len(new), copied=source is DraftSource.LOOKUP)
-        return new
+        self.stats.record_cycle(n, accepted, len(new), copied=proposal.source is DraftSource.LOOKUP)
+        self.position += len(new)
+        return new, position + accepted + 1
 
     def _room(self, position: int, produced: int | None = None) -> int:
         """Most proposals this cycle may verify: the block, what is left to generate, the window."""
@@ -199,7 +258,7 @@ class Loop:
             return None
         self._ahead_anchor = e.backend.ops.argmax(out.logits[-1:])
         request = DraftRequest(-1, position, k, self.sampling, self.draft_rng)  # the anchor is on the device
-        draft = e.drafter.propose_ahead(out, self._ahead_anchor, request)
+        draft = self.drafter.propose_ahead(out, self._ahead_anchor, request)
         if draft is not None:
             self.stats.drafts_ahead += 1
         return draft
@@ -216,17 +275,17 @@ class Loop:
         verifier's policy says drafting pays this cycle; and the seconds the drafter took."""
         e = self.e
         request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
-        free = e.drafter.propose_free(request)
-        if free is not None and self.trees and e.verifier.tree_next():  # the copy: one path of the tree
-            beside, draft_s = self._timed(lambda: e.drafter.propose_beside(request, free), "draft_s")
+        free = self.drafter.propose_free(request)
+        if free is not None and self.trees and self.verifier.tree_next():  # the copy: one path of the tree
+            beside, draft_s = self._timed(lambda: self.drafter.propose_beside(request, free), "draft_s")
             if beside is not None:
                 return beside, draft_s
-        if free is not None or not e.verifier.wants_draft(k, position):
+        if free is not None or not self.verifier.wants_draft(k, position):
             return free, 0.0
-        return self._timed(lambda: e.drafter.propose(request), "draft_s")
+        return self._timed(lambda: self.drafter.propose(request), "draft_s")
 
     def _verify(self, draft, logits):
-        return self.e.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)
+        return self.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)
 
     def _emit(self, token_ids: list[int]) -> list[int]:
         """Commit tokens, cutting at a stop token (kept) and at max_new_tokens / the window."""
@@ -270,9 +329,9 @@ class Loop:
         s.new_tokens = len(self.produced)
         s.stop_reason = self._stop_reason or "interrupted"
         s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
-        s.verifier = self.e.verifier.decisions()
+        s.verifier = self.verifier.decisions()
         s.fast_path = self.e.target.fast_path
-        s.draft_fast_path = None if self.e.drafter is None else self.e.drafter.fast_path
+        s.draft_fast_path = None if self.drafter is None else self.drafter.fast_path
         s.dtype, s.dtype_reason = self.e.backend.dtype_name, self.e.backend.dtype_reason
         s.target = target_name(self.e.target.info.path)
         self.prefix.finished(self.produced, s.stop_reason)

@@ -62,6 +62,8 @@ class GenerationStats:
     dtype: str = ""  # what the target ran in (float32, bfloat16, ...)
     dtype_reason: str = ""  # why: "auto: CPU", "set by backend.dtype", ...
     target: str = ""  # the target's name (target_name)
+    batched_cycles: int = 0  # cycles verified in one forward beside other requests (core/scheduler.py)
+    batch_note: str | None = None  # why this request could not speculate while batched, if so
 
     @property
     def prefill_tokens_per_s(self) -> float:

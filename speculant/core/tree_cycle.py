@@ -33,15 +33,15 @@ def tree_cycle(loop: "Loop", position: int, tree: DraftTree, drafted: int, draft
     """Verify ``tree`` in one target forward, commit the accepted path, emit its tokens."""
     e = loop.e
     out, target_s = loop._timed(lambda: e.target.forward_tree(tree, loop.capture), "target_s")
-    verification = e.verifier.verify_tree(e.backend.ops, tree, out.logits, loop.sampling, loop.verify_rng)
+    verification = loop.verifier.verify_tree(e.backend.ops, tree, out.logits, loop.sampling, loop.verify_rng)
     e.target.commit_tree(position, verification.path)
     commit_s = 0.0
     if loop.speculating:
         path = path_rows(out, e.backend.int_array(verification.path))
         rows = len(verification.path)
-        _, commit_s = loop._timed(lambda: e.drafter.commit(path, rows, verification.token_ids), "draft_s")
+        _, commit_s = loop._timed(lambda: loop.drafter.commit(path, rows, verification.token_ids), "draft_s")
     depth = max(tree.depths)
-    e.verifier.observe(verification, tree.num_drafted,
+    loop.verifier.observe(verification, tree.num_drafted,
                        CycleTiming(position, tree.num_drafted, drafted, target_s, draft_s, commit_s, DraftSource.MODEL))
     new = loop._emit(verification.token_ids)
     loop.stats.record_cycle(depth, verification.accepted, len(new))

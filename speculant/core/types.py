@@ -219,3 +219,4 @@ class Chunk:
     token_ids: list[int]
     stop_reason: str | None = None
     stats: Any = None  # GenerationStats, on the last chunk only
+    error: BaseException | None = None  # on a batched request's last chunk, where it alone failed

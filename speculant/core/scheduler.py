@@ -1,0 +1,236 @@
+"""The scheduler: the live requests of one engine, all verified in one target forward a cycle
+(issue #39; docs/batching.md).
+
+A request alone runs on the target's own cache (``Loop.cycles``: the compiled paths, trees,
+drafting ahead, the prefix store). When a second one is admitted, the first moves into a
+:class:`~speculant.core.batch.BatchedTarget` row (its cache rebuilt there in one forward) and
+every cycle from then on proposes per request, verifies every request's block in one forward,
+accepts per request (its own verifier state and random streams) and crops each row to its own
+accepted length. Requests join and leave between cycles; the cycle code is ``Loop.propose`` /
+``Loop.accept`` in both cases, so a batch of one is the same path as a batch of many.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Iterator
+
+from speculant.core.errors import GenerationError
+from speculant.core.text import StreamDecoder
+from speculant.core.types import Capture, Chunk
+
+if TYPE_CHECKING:
+    from speculant.core.batch import BatchedTarget
+    from speculant.core.engine import Engine
+    from speculant.core.loop import Loop
+
+
+class Request:
+    """One request in the scheduler: its loop (the sequence's state) and its text stream."""
+
+    def __init__(self, loop: "Loop", stop_strings, key: object = None) -> None:
+        self.loop = loop
+        self.key = key if key is not None else id(self)
+        self.decoder = StreamDecoder(loop.e.tokenizer, stop_strings)
+        self.error: BaseException | None = None
+        self._final: Chunk | None = None
+
+    def chunk(self, new_ids: list[int]) -> Chunk | None:
+        """The text of ``new_ids``, cut where a stop string ended (the request then stops)."""
+        text, hit = self.decoder.feed(new_ids)
+        if hit is not None:
+            self.loop.stop("stop_string")
+            kept = self.decoder.token_count_for_stop()
+            self.loop.truncate(kept)
+            new_ids = new_ids[: max(0, len(new_ids) - (self.decoder.total_tokens - kept))]
+        return Chunk(text, list(new_ids)) if text or new_ids else None
+
+    def final(self) -> Chunk:
+        """The last chunk: the text still held back, the finish reason, the stats (once)."""
+        if self._final is None:
+            self.loop.finish()
+            stats = self.loop.stats
+            self._final = Chunk(self.decoder.flush(), [], stats.stop_reason, stats, self.error)
+        return self._final
+
+
+class Scheduler:
+    """Runs the requests added to it, up to ``max_batch`` at once, the rest waiting their turn.
+
+    :meth:`add` may be called from any thread; :meth:`run` (one thread) yields each request's
+    chunks as they are made, its last chunk (``stop_reason`` set) when it ends, and returns
+    once no request is live or waiting."""
+
+    def __init__(self, engine: "Engine", max_batch: int = 1) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.e = engine
+        self.max_batch = max_batch
+        self.live: list[Request] = []
+        self.rows: "BatchedTarget | None" = None  # while requests verify batched
+        self.batch_refused: str | None = None  # why this target does not batch, once tried
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._drafters = [] if engine.drafter is None else [engine.drafter]  # free per-sequence states
+        self._verifiers = [engine.verifier]
+        self.batched_cycles = 0
+        self.rows_verified = 0  # requests verified over those cycles
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            self._waiting.append(request)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def run(self) -> Iterator[tuple[Request, Chunk]]:
+        while True:
+            yield from self._admit()
+            if not self.live:
+                return
+            if self.rows is None:
+                yield from self._solo(self.live[0])
+            else:
+                yield from self._cycle()
+                yield from self._leave_ended()
+
+    # -- admission -----------------------------------------------------------------------------
+    def _next_waiting(self) -> Request | None:
+        with self._lock:
+            return self._waiting.popleft() if self._waiting else None
+
+    def _admit(self) -> Iterator[tuple[Request, Chunk]]:
+        while len(self.live) < self.max_batch and self._waiting:
+            if self.live and self.rows is None:  # the one live request has not started: both join a batch
+                if not self._new_rows():
+                    return  # this target does not batch: the next request waits for the live one
+                yield from self._join(self.live[0])
+            request = self._next_waiting()
+            if request is None:
+                return
+            self._bind(request)
+            self.live.append(request)
+            if self.rows is not None:
+                yield from self._join(request)
+
+    def _new_rows(self) -> bool:
+        """Start a batch over the target; False where it cannot batch (the reason kept in
+        :attr:`batch_refused`, and the requests then take turns)."""
+        if self.batch_refused is not None:
+            return False
+        try:
+            self.rows = self.e.target.new_batch()
+        except (ValueError, NotImplementedError) as exc:
+            self.batch_refused = str(exc)
+            return False
+        return True
+
+    def _bind(self, request: Request) -> None:
+        """Give ``request`` a drafter and a verifier state of its own (the engine's first)."""
+        loop, e = request.loop, self.e
+        loop.verifier = self._verifiers.pop() if self._verifiers else e.verifier.fork()
+        if e.drafter is None:
+            return
+        if self._drafters:
+            loop.drafter = self._drafters.pop()
+            return
+        try:
+            loop.drafter = e.drafter.fork()
+        except NotImplementedError as exc:  # this drafter keeps one sequence: the request decodes plainly
+            loop.drafter, loop.speculating = None, False
+            loop.stats.batch_note = str(exc)
+
+    def _join(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
+        """Add ``request`` as a row: a new one is prefilled there and emits its first token; one
+        that ran alone has its cache rebuilt there (prompt and emitted tokens) in one forward."""
+        loop = request.loop
+        if loop.cancelled():
+            yield from self._end(request)
+            return
+        started = bool(loop.produced)
+        try:
+            out = self.rows.join(request.key, loop.into_batch(), self._capture())
+            new = [] if started else loop.first(out)
+        except GenerationError as exc:
+            request.error = exc
+            loop.stop("error")
+            yield from self._end(request)
+            return
+        chunk = request.chunk(new)
+        if chunk is not None:
+            yield request, chunk
+
+    # -- one request alone, on the target's own cache ---------------------------------------------
+    def _solo(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
+        cycles = request.loop.cycles()
+        try:
+            for new in cycles:
+                chunk = request.chunk(new)
+                if chunk is not None:
+                    yield request, chunk
+                if request.loop.ended:
+                    break
+                if self._waiting and self.max_batch > 1 and self._new_rows():
+                    cycles.close()  # at a cycle's end, so its state holds the tokens emitted
+                    yield from self._join(request)
+                    return
+        except GenerationError as exc:  # the loop kept what was emitted; the last chunk carries the error
+            request.error = exc
+        finally:
+            cycles.close()
+        yield from self._end(request)
+
+    # -- a batched cycle ---------------------------------------------------------------------------
+    def _cycle(self) -> Iterator[tuple[Request, Chunk]]:
+        for request in [r for r in self.live if r.loop.ended]:  # cancelled since the last cycle
+            yield from self._end(request)
+        live = list(self.live)
+        if not live:
+            return
+        ops = self.e.backend.ops
+        proposals = [request.loop.propose() for request in live]
+        start = time.perf_counter()
+        outs = self.rows.verify([p.block(ops) for p in proposals], self._capture())
+        target_s = time.perf_counter() - start
+        before = self.rows.lengths_before_block()
+        lengths, news = [], []
+        for request, proposal, out, first in zip(live, proposals, outs, before):
+            try:
+                new, length = request.loop.accept(proposal, out, target_s)
+            except GenerationError as exc:  # this request ends with what it emitted; the others go on
+                request.error, new, length = exc, [], first
+                request.loop.stop("error")
+            request.loop.stats.batched_cycles += 1
+            lengths.append(length)
+            news.append(new)
+        self.rows.crop(lengths)
+        self.batched_cycles += 1
+        self.rows_verified += len(live)
+        for request, new in zip(live, news):
+            chunk = request.chunk(new)
+            if chunk is not None:
+                yield request, chunk
+
+    def _leave_ended(self) -> Iterator[tuple[Request, Chunk]]:
+        for request in [r for r in self.live if r.loop.ended]:
+            yield from self._end(request)
+
+    def _end(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
+        """``request`` leaves: its row, drafter and verifier state are freed, its last chunk made."""
+        self.live.remove(request)
+        if self.rows is not None and request.key in self.rows.keys:
+            self.rows.leave(request.key)
+        if self.rows is not None and not self.rows.keys:
+            self.rows = None  # the next request alone runs on the target's own cache again
+        loop = request.loop
+        self._verifiers.append(loop.verifier)
+        if loop.drafter is not None:
+            self._drafters.append(loop.drafter)
+        yield request, request.final()
+
+    def _capture(self) -> Capture:
+        speculating = any(r.loop.speculating for r in self.live)
+        return self.e.drafter.info.capture if speculating and self.e.drafter is not None else Capture()
