@@ -16,6 +16,7 @@ the new committed positions from the target's verify hidden states, bonus token 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, Sequence
 
 from speculant.core.interfaces import Drafter
@@ -31,6 +32,9 @@ class MTPNetwork(Protocol):
     def reset(self) -> None:
         """Empty every layer's cache."""
 
+    def fork(self) -> "MTPNetwork":
+        """The same layers (and compiled steps, if any) with empty caches of their own."""
+
     def run(self, layer: int, hidden: Array, token_ids: Array, positions: Sequence[int]) -> tuple[Array, Array]:
         """One MTP step over rows (hidden [n, H], token ids [n]) at ``positions``, appending
         to the layer's cache; returns the block output before and after the final norm."""
@@ -44,7 +48,7 @@ class MTPNetwork(Protocol):
 
 
 class MTPDrafter(Drafter):
-    """Drafter protocol over an :class:`MTPNetwork`; one sequence at a time."""
+    """Drafter protocol over an :class:`MTPNetwork`; one sequence at a time (:meth:`fork` for more)."""
 
     def __init__(self, network: MTPNetwork, info: DrafterInfo, backend: Any) -> None:
         self.net = network
@@ -61,6 +65,16 @@ class MTPDrafter(Drafter):
     @property
     def fast_path(self) -> str:
         return getattr(self.net, "fast_path", "eager")
+
+    def fork(self) -> "MTPDrafter":
+        """Shares the MTP layers, the target and the compiled steps' code; the layers' caches,
+        committed lengths, carried hidden rows and anchor are its own."""
+        other = copy.copy(self)
+        other.net = self.net.fork()
+        n = self.cfg.num_layers
+        other._lengths, other._carry, other._head = [0] * n, [None] * n, None
+        other._next_position, other._anchor = 0, None
+        return other
 
     # -- lifecycle -------------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
