@@ -29,10 +29,12 @@ from speculant.testing.tiny_mtp_families import build_family_mtp  # noqa: E402
 
 NEW = 40
 HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
-BACKENDS = ["torch", pytest.param("mlx", marks=[pytest.mark.mlx,
-                                                 pytest.mark.skipif(not HAS_MLX, reason="needs mlx and mlx-lm")])]
+MLX = [pytest.mark.mlx, pytest.mark.skipif(not HAS_MLX, reason="needs mlx and mlx-lm")]
+BACKENDS = ["torch", pytest.param("mlx", marks=MLX)]
+# (backend, backend.compile): MLX compiles the draft steps on a CPU (auto), and eager with "off"
+RUNS = [("torch", "off"), pytest.param("mlx", "auto", marks=MLX), pytest.param("mlx", "off", marks=MLX)]
 KINDS = ["dflash", "dflash2", "mtp", "lookup"]
-RECORDED = ("prefill", "propose_free", "propose_beside", "propose", "commit")
+RECORDED = ("prefill", "propose_free", "propose_beside", "propose", "commit", "propose_ahead", "withdraw_ahead")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def pairs(tmp_path_factory, torch_threads):
     dflash = str(build_tiny_dflash(root / "d1", target, seed=7, block_size=8, scale=0.1))
     dflash2 = str(build_tiny_dflash2(root / "d2", target, seed=7, block_size=8))
     mtp_target, cycle = build_bigram_target(root / "mtp", family="qwen3_5", hybrid=True, layer_scale=0.1)
-    build_family_mtp(mtp_target, cycle=cycle, num_layers=2, seed=3)
+    build_family_mtp(mtp_target, num_layers=2, seed=3)
     rng = np.random.default_rng(7)
     mtp_prompts = [[int(t) for t in rng.choice(cycle + list(range(20, 60)), size=n)] for n in (40, 23)]
     prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 3, 17, 90] * 3 + [8, 12]]
@@ -58,10 +60,10 @@ def pairs(tmp_path_factory, torch_threads):
     }
 
 
-def load(pairs, kind: str, backend: str, compile: str = "off"):
+def load(pairs, kind: str, backend: str, compile: str = "off", ahead: str = "off"):
     target, drafter, prompts = pairs[kind]
     config = {"backend": {"kind": backend, "device": "cpu", "dtype": "float32", "compile": compile,
-                          "draft_ahead": "off"},
+                          "draft_ahead": ahead},
               "target": {"path": str(target)}, "drafter": drafter}
     return speculant.load_engine(config), prompts
 
@@ -76,13 +78,18 @@ def proposed(ops, draft) -> tuple[list[int], np.ndarray | None] | None:
 
 def solo(engine, prompt: Sequence[int]) -> list[tuple]:
     """Every drafter call of one request run alone: (method, copied arguments, what it proposed)."""
-    drafter, calls = engine.drafter, []
+    drafter, calls, depth = engine.drafter, [], [0]
 
     def recording(name, method):
         def call(*args):
             kept = copy.deepcopy(args)  # a target may reuse its output buffers
-            result = method(*args)
-            calls.append((name, kept, proposed(engine.backend.ops, result) if name.startswith("propose") else None))
+            depth[0] += 1
+            try:
+                result = method(*args)
+            finally:
+                depth[0] -= 1
+            if not depth[0]:  # the engine's calls only (propose_ahead commits through self.commit)
+                calls.append((name, kept, proposed(engine.backend.ops, result) if name.startswith("propose") else None))
             return result
         return call
 
@@ -140,18 +147,33 @@ def check_interleaved_equals_solo(engine, prompts) -> None:
     drafted = [[p for p in proposals(c) if p is not None] for c in calls]
     assert all(len(d) >= 4 for d in drafted), drafted  # both requests drafted every few cycles
     # a drafter mixing up the two contexts proposes something else
-    assert not all(same(a, b) for a, b in zip(drafted[0][:4], drafted[1][:4]))
+    assert len(drafted[0]) != len(drafted[1]) or not all(same(a, b) for a, b in zip(*drafted))
     got_a, got_b = interleaved(engine, *calls)
     assert_same(got_a, proposals(calls[0]))
     assert_same(got_b, proposals(calls[1]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "compile"), RUNS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_fork_and_its_original_draft_interleaved_as_each_alone(pairs, kind, backend):
-    engine, prompts = load(pairs, kind, backend, compile="auto")
+def test_a_fork_and_its_original_draft_interleaved_as_each_alone(pairs, kind, backend, compile):
+    engine, prompts = load(pairs, kind, backend, compile)
+    compiled = getattr(model_drafter(engine.drafter).net, "compiled", None)
+    assert (compiled is not None) == (compile == "auto"), engine.drafter.fast_path
     check_interleaved_equals_solo(engine, prompts)
     assert type(engine.drafter.fork()) is type(engine.drafter)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forks_draft_ahead_and_withdraw_as_each_alone(pairs, backend):
+    """DFlash drafts made ahead (kept when a block is accepted whole, withdrawn otherwise) and
+    withdrawn in a fork leave the other sequence's context as it was."""
+    engine, prompts = load(pairs, "dflash", backend, compile="off", ahead="on")
+    calls = [solo(engine, prompt) for prompt in prompts]
+    made = [[name for name, _, _ in c] for c in calls]
+    assert all("propose_ahead" in m for m in made) and any("withdraw_ahead" in m for m in made), [set(m) for m in made]
+    got_a, got_b = interleaved(engine, *calls)
+    assert_same(got_a, proposals(calls[0]))
+    assert_same(got_b, proposals(calls[1]))
 
 
 def model_drafter(drafter):
@@ -205,6 +227,21 @@ def test_forks_share_the_compiled_torch_draft_graphs(pairs, kind, monkeypatch):
     assert_same(got_a, proposals(calls[0]))
     assert_same(got_b, proposals(calls[1]))
     assert set(draft._graphs) == graphs and draft.recompiles == 0
+
+
+def test_forks_of_the_planted_drafter_keep_their_own_script_and_mistakes(pairs):
+    """The benchmark's planted drafter (speculant/testing): each fork follows its own prompt's
+    script and counts its own cycles, so its planted mistakes fall where they do alone."""
+    from speculant.testing.planted_drafter import registry_with_planted
+
+    target, _, prompts = pairs["dflash"]
+    backend = {"kind": "torch", "device": "cpu", "dtype": "float32", "compile": "off"}
+    plain = speculant.load_engine({"backend": backend, "target": {"path": str(target)}})
+    script = [[p, plain.run(prompt_ids=p, max_new_tokens=NEW + 8, ignore_eos=True).token_ids] for p in prompts]
+    engine = speculant.load_engine({"backend": backend, "target": {"path": str(target)}, "drafter": {
+        "kind": "planted", "options": {"script": script, "mistakes": [2, -1, 0, 4], "default_block_size": 5}}},
+        registry=registry_with_planted())
+    check_interleaved_equals_solo(engine, prompts)
 
 
 class Bare(Drafter):
