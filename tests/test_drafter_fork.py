@@ -211,13 +211,14 @@ def test_a_fork_shares_the_weights_and_compiled_code_not_the_state(pairs, kind, 
     assert fork.fast_path == original.fast_path
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_forks_share_the_compiled_torch_draft_graphs(pairs, kind, monkeypatch):
-    """The compiled draft step (dflash/compiled.py) traced by dynamo (its eager backend: inductor
-    takes minutes on a CPU): forks keep buffers of their own, run the original's graphs, and
-    compile nothing more."""
+@pytest.mark.parametrize(("kind", "compiler"), [("dflash", "eager"), ("dflash2", "eager"),
+                                                pytest.param("dflash", "inductor", marks=pytest.mark.slow)])
+def test_forks_share_the_compiled_torch_draft_graphs(pairs, kind, compiler, monkeypatch):
+    """The compiled draft step (dflash/compiled.py), traced by dynamo and run by its eager backend
+    (inductor: a dozen seconds more on a CPU): forks keep buffers of their own, run the
+    original's graphs, and compile nothing more."""
     engine, prompts = load(pairs, kind, "torch")
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=compiler))
     engine.drafter.net.compile_step(8)
     draft = engine.drafter.net.compiled
     assert draft is not None, engine.drafter.fast_path
