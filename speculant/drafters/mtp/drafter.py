@@ -56,8 +56,13 @@ class MTPDrafter(Drafter):
         self.info = info
         self.backend = backend
         self.ops = backend.ops
-        self._lengths = [0] * self.cfg.num_layers
-        self._carry: list[Array | None] = [None] * self.cfg.num_layers
+        self._start()
+
+    def _start(self) -> None:
+        """No committed position yet (a new sequence)."""
+        n = self.cfg.num_layers
+        self._lengths = [0] * n
+        self._carry: list[Array | None] = [None] * n
         self._head: Array | None = None
         self._next_position = 0
         self._anchor: int | None = None
@@ -71,9 +76,7 @@ class MTPDrafter(Drafter):
         committed lengths, carried hidden rows and anchor are its own."""
         other = copy.copy(self)
         other.net = self.net.fork()
-        n = self.cfg.num_layers
-        other._lengths, other._carry, other._head = [0] * n, [None] * n, None
-        other._next_position, other._anchor = 0, None
+        other._start()
         return other
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -81,9 +84,7 @@ class MTPDrafter(Drafter):
         if output.final_hidden is None:
             raise ValueError("the target returned no final hidden state; the engine must capture DrafterInfo.final_hidden")
         self.net.reset()
-        n = self.cfg.num_layers
-        self._lengths, self._carry, self._head = [0] * n, [None] * n, None
-        self._next_position, self._anchor = 0, None
+        self._start()
         tokens = [int(t) for t in prompt_ids[1:]] + [int(first_token_id)]
         self._advance(output.final_hidden[: len(tokens)], tokens)
 
