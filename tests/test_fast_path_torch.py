@@ -294,7 +294,7 @@ def test_the_compiled_draft_compiles_nothing_for_later_requests(compiled):
         compiled.run(prompt_ids=ids, max_new_tokens=NEW, ignore_eos=True)
         compiled.run(prompt_ids=ids, max_new_tokens=6, ignore_eos=True)  # shorter blocks at the end
     assert (draft.compile_s, draft.rows, set(draft._graphs)) == before
-    assert draft.recompiles == 0 and len(before[2]) == 3
+    assert draft.recompiles == 0 and len({key for key in before[2] if key[2] == draft.rows}) == 3
 
 
 @pytest.mark.slow

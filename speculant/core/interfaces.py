@@ -242,7 +242,8 @@ class Backend(ABC):
 
 
 class Drafter(ABC):
-    """Proposes tokens for the target to verify. One instance serves one sequence at a time.
+    """Proposes tokens for the target to verify. One instance serves one sequence at a time;
+    :meth:`fork` gives another sequence one of its own over the same weights.
 
     ``commit`` follows every verification, but ``propose`` may be skipped for a cycle (a plain
     target step, or a free proposal such as a prompt-lookup copy): a drafter must take in several
@@ -292,6 +293,14 @@ class Drafter(ABC):
         """Take in a verification: the first ``num_rows`` rows of ``output`` (anchor +
         accepted drafts) are now committed, and ``token_ids`` are the tokens that were
         emitted this cycle (accepted drafts + bonus)."""
+
+    def fork(self) -> "Drafter":
+        """A drafter for another sequence: it shares this one's weights (and compiled code where
+        that is safe) but has per-sequence state of its own, empty until its ``prefill``; the two
+        may be used interleaved, and nothing done to one changes the other's proposals. The
+        default raises NotImplementedError: a drafter that cannot fork is not batched."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fork per-sequence copies (Drafter.fork), "
+                                  "so it drafts one sequence at a time")
 
 
 class DrafterFactory(ABC):

@@ -10,6 +10,7 @@ still commits every cycle, copies included, so its context stays complete.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Sequence
 
@@ -25,6 +26,7 @@ class LookupProposer(Drafter):
     def __init__(self, inner: Drafter | None, config: LookupConfig, backend: Backend) -> None:
         self.inner = inner
         self.backend = backend
+        self.config = config
         self.index = PromptLookup(config.min_match, config.max_match)
         self.info = inner.info if inner is not None else DrafterInfo(
             kind="lookup", default_block_size=DEFAULT_BLOCK_SIZE, uses_target_embedding=False,
@@ -35,6 +37,14 @@ class LookupProposer(Drafter):
     def fast_path(self) -> str:
         inner = "" if self.inner is None else f"; {self.inner.info.kind}: {self.inner.fast_path}"
         return f"prompt lookup (no forward){inner}"
+
+    def fork(self) -> "LookupProposer":
+        """A token history of its own, over a fork of the wrapped drafter (weights shared)."""
+        other = copy.copy(self)
+        other.inner = None if self.inner is None else self.inner.fork()
+        other.index = PromptLookup(self.config.min_match, self.config.max_match)
+        other._missed = None
+        return other
 
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         self.index.reset([*prompt_ids, first_token_id])

@@ -14,6 +14,7 @@ recovers the planted mistake through a branch that the chain does not have.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,6 +43,11 @@ class PlantedDrafter(Drafter):
         self.prompt_length = 0
         self.continuation: list[int] | None = None
         self.cycle = 0
+
+    def fork(self) -> "PlantedDrafter":
+        other = copy.copy(self)
+        other.prompt_length, other.continuation, other.cycle = 0, None, 0
+        return other
 
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         self.prompt_length = len(prompt_ids)

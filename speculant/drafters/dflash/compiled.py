@@ -36,6 +36,7 @@ so the compiled step keeps its own fixed-shape cache, in the manner of the targe
 
 from __future__ import annotations
 
+import copy
 import time
 import types
 
@@ -84,6 +85,13 @@ class CompiledDraft:
         self._codes: list[types.CodeType] = []
         self.compile_s = 0.0
 
+    def fork(self) -> "CompiledDraft":
+        """Buffers of its own (allocated on first use), the same graphs: they take the buffers as
+        arguments, so one compiled per (bucket, block, rows) serves every fork."""
+        other = copy.copy(self)
+        other.keys, other.values, other.key_positions = [], [], None
+        return other
+
     # -- cache -----------------------------------------------------------------------------
     @property
     def rows(self) -> int:
@@ -113,7 +121,7 @@ class CompiledDraft:
                     store[i] = grown
                 else:
                     store.append(grown)
-        self._graphs.clear()  # compiled over the old shapes
+        # the graphs of the old size stay: they are keyed by rows, and a fork may still use them
 
     def rows_of(self, positions: torch.Tensor) -> torch.Tensor:
         """The buffer rows holding ``positions``."""

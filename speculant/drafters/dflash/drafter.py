@@ -14,6 +14,7 @@ writes the block's keys/values in place after the context's
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, Sequence
 
 from speculant.core.interfaces import Drafter
@@ -34,6 +35,9 @@ class DFlashNetwork(Protocol):
     def reset(self) -> None:
         """Empty the context cache (a new request)."""
 
+    def fork(self) -> "DFlashNetwork":
+        """The same modules (and compiled step, if any) with an empty context of their own."""
+
     def hidden(self, features: Array, context_start: int, block_ids: Array, position: int) -> Array:
         """Project new context rows (target features [n, F] at positions ``context_start ..``),
         cache their keys/values in every layer, run the block ``block_ids`` at ``position ..``
@@ -49,7 +53,7 @@ class DFlashNetwork(Protocol):
 
 
 class DFlashDrafter(Drafter):
-    """Drafter protocol over a :class:`DFlashNetwork`; one sequence at a time."""
+    """Drafter protocol over a :class:`DFlashNetwork`; one sequence at a time (:meth:`fork` for more)."""
 
     def __init__(self, network: DFlashNetwork, info: DrafterInfo, backend: Any) -> None:
         self.net = network
@@ -73,6 +77,15 @@ class DFlashDrafter(Drafter):
     @property
     def model(self) -> Any:
         return self.net.model
+
+    def fork(self) -> "DFlashDrafter":
+        """Shares the modules, the target and the compiled step's code; the queued context rows,
+        the context cache (or the compiled step's buffers) and the draft-ahead mark are its own.
+        Drafting ahead works in a fork as in the original."""
+        other = copy.copy(self)
+        other.net = self.net.fork()
+        other.pending, other.context_length, other._before_ahead = [], 0, None
+        return other
 
     # -- lifecycle -------------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:

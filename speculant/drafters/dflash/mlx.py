@@ -11,6 +11,8 @@ token ids that the target's verify forward consumes directly.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -146,6 +148,14 @@ class MLXDFlashNetwork:
         self.cache = ContextCache(self.windows, allocate)
         if self.compiled is not None:
             self.compiled.reset()
+
+    def fork(self) -> "MLXDFlashNetwork":
+        """The same modules and compiled function; an empty context cache (and compiled buffers)."""
+        other = copy.copy(self)
+        if self.compiled is not None:
+            other.compiled = self.compiled.fork()
+        other.reset()
+        return other
 
     def cache_arrays(self) -> list[mx.array]:
         """Every buffer the last step wrote (MLX schedules their pending writes with a draft)."""

@@ -25,6 +25,8 @@ arrays:
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 
 from speculant.core.buffers import FAR, capacity_for, padded
@@ -65,6 +67,12 @@ class CompiledDraft:
     def reset(self) -> None:
         """Drop the buffers (a new request); the traces stay, keyed by shape."""
         self.keys, self.values, self.key_positions = [], [], None
+
+    def fork(self) -> "CompiledDraft":
+        """Buffers of its own, the same compiled function (a pure function of the arrays passed)."""
+        other = copy.copy(self)
+        other.reset()
+        return other
 
     @property
     def rows(self) -> int:

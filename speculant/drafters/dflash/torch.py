@@ -8,6 +8,7 @@ and denoises a block ``[anchor, mask x (B-1)]`` in one non-causal pass.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import NamedTuple
 
@@ -240,6 +241,14 @@ class TorchDFlashNetwork:
 
     def reset(self) -> None:
         self.cache = ContextCache(self.windows, allocate)
+
+    def fork(self) -> "TorchDFlashNetwork":
+        """The same modules and compiled graphs; an empty context cache (and compiled buffers)."""
+        other = copy.copy(self)
+        other.reset()
+        if self.compiled is not None:
+            other.compiled = self.compiled.fork()
+        return other
 
     @torch.inference_mode()
     def hidden(self, features: torch.Tensor, context_start: int, block_ids: torch.Tensor, position: int) -> torch.Tensor:

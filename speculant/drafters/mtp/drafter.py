@@ -16,6 +16,7 @@ the new committed positions from the target's verify hidden states, bonus token 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, Sequence
 
 from speculant.core.interfaces import Drafter
@@ -31,6 +32,9 @@ class MTPNetwork(Protocol):
     def reset(self) -> None:
         """Empty every layer's cache."""
 
+    def fork(self) -> "MTPNetwork":
+        """The same layers (and compiled steps, if any) with empty caches of their own."""
+
     def run(self, layer: int, hidden: Array, token_ids: Array, positions: Sequence[int]) -> tuple[Array, Array]:
         """One MTP step over rows (hidden [n, H], token ids [n]) at ``positions``, appending
         to the layer's cache; returns the block output before and after the final norm."""
@@ -44,7 +48,7 @@ class MTPNetwork(Protocol):
 
 
 class MTPDrafter(Drafter):
-    """Drafter protocol over an :class:`MTPNetwork`; one sequence at a time."""
+    """Drafter protocol over an :class:`MTPNetwork`; one sequence at a time (:meth:`fork` for more)."""
 
     def __init__(self, network: MTPNetwork, info: DrafterInfo, backend: Any) -> None:
         self.net = network
@@ -52,8 +56,13 @@ class MTPDrafter(Drafter):
         self.info = info
         self.backend = backend
         self.ops = backend.ops
-        self._lengths = [0] * self.cfg.num_layers
-        self._carry: list[Array | None] = [None] * self.cfg.num_layers
+        self._start()
+
+    def _start(self) -> None:
+        """No committed position yet (a new sequence)."""
+        n = self.cfg.num_layers
+        self._lengths = [0] * n
+        self._carry: list[Array | None] = [None] * n
         self._head: Array | None = None
         self._next_position = 0
         self._anchor: int | None = None
@@ -62,14 +71,20 @@ class MTPDrafter(Drafter):
     def fast_path(self) -> str:
         return getattr(self.net, "fast_path", "eager")
 
+    def fork(self) -> "MTPDrafter":
+        """Shares the MTP layers, the target and the compiled steps' code; the layers' caches,
+        committed lengths, carried hidden rows and anchor are its own."""
+        other = copy.copy(self)
+        other.net = self.net.fork()
+        other._start()
+        return other
+
     # -- lifecycle -------------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         if output.final_hidden is None:
             raise ValueError("the target returned no final hidden state; the engine must capture DrafterInfo.final_hidden")
         self.net.reset()
-        n = self.cfg.num_layers
-        self._lengths, self._carry, self._head = [0] * n, [None] * n, None
-        self._next_position, self._anchor = 0, None
+        self._start()
         tokens = [int(t) for t in prompt_ids[1:]] + [int(first_token_id)]
         self._advance(output.final_hidden[: len(tokens)], tokens)
 

@@ -14,6 +14,7 @@ over packed gate_up [E, 2I, H] / down [E, H, I] weights.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import mlx.core as mx
@@ -316,6 +317,13 @@ class MLXMTPNetwork:
         self.caches = [LayerCache() for _ in range(self.cfg.num_layers)]
         if self.compiled is not None:
             self.compiled.reset()
+
+    def fork(self) -> "MLXMTPNetwork":
+        other = copy.copy(self)
+        if self.compiled is not None:
+            other.compiled = self.compiled.fork()
+        other.reset()
+        return other
 
     def run(self, layer: int, hidden, token_ids, positions: Sequence[int]):
         positions = [int(p) for p in positions]

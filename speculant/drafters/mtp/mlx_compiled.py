@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import copy
+
 import mlx.core as mx
 
 from speculant.core.buffers import FAR, capacity_for, padded
@@ -65,6 +67,12 @@ class CompiledMTP:
         """Drop the buffers (a new request); the traces stay, keyed by shape."""
         self.buffers = [[] for _ in self.buffers]
         self.positions = [[] for _ in self.positions]
+
+    def fork(self) -> "CompiledMTP":
+        """Buffers of its own, the same compiled steps (pure functions of the arrays passed)."""
+        other = copy.copy(self)
+        other.reset()
+        return other
 
     def cache_length(self, layer: int) -> int:
         return len(self.positions[layer])

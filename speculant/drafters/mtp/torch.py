@@ -13,6 +13,7 @@ down [E, H, I]; per-expert checkpoints are stacked at load time.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -317,6 +318,11 @@ class TorchMTPNetwork:
 
     def reset(self) -> None:
         self.caches = [LayerCache() for _ in range(self.cfg.num_layers)]
+
+    def fork(self) -> "TorchMTPNetwork":
+        other = copy.copy(self)
+        other.reset()
+        return other
 
     @torch.inference_mode()
     def run(self, layer: int, hidden, token_ids, positions: Sequence[int]):
