@@ -73,9 +73,6 @@ class PlantedDrafter(Drafter):
     def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
         pass
 
-    def fork(self) -> "PlantedDrafter":
-        return PlantedDrafter(self.info, self.backend, self.options, self.vocab)
-
 
 class PlantedDrafterFactory(DrafterFactory):
     name = "planted"
