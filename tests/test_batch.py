@@ -4,13 +4,16 @@ leaving at different cycles; each must equal its solo plain-greedy run token for
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from speculant.api import load_engine  # noqa: E402
-from speculant.core.types import Capture  # noqa: E402
+from speculant.core.batch import batch_problem  # noqa: E402
+from speculant.core.types import Capture, TargetInfo  # noqa: E402
 from speculant.testing.tiny import build_tiny_target  # noqa: E402
 from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 
@@ -28,8 +31,9 @@ SEQUENCES = {
     "late": (list(range(90, 103)), 2, "mixed"),  # joins at the third cycle
 }
 CAPTURE = Capture(layer_ids=(1, 2), final_hidden="post_norm")
-# dense; all sliding; sliding + full (Gemma 3; gpt-oss with sinks; Muse Glimmer without rope on full layers)
-TARGETS = ("qwen3", "llama", "mistral", "gemma3_text", "gpt_oss", "muse_glimmer")
+# dense; all sliding; sliding + full (Gemma 3; gpt-oss with sinks; Muse Glimmer without rope on full layers);
+# Gated DeltaNet + full (Qwen3.5; Qwen3-Next with MoE and partial rope)
+TARGETS = ("qwen3", "llama", "mistral", "gemma3_text", "gpt_oss", "muse_glimmer", "qwen3_5", "qwen3_next")
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +204,8 @@ def test_bad_calls_say_what_to_do(targets, backend):
         batch.join("b", [5])
 
 
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_gated_deltanet_targets_are_refused_by_name(tmp_path, torch_threads, backend):
-    engine = engine_for(build_tiny_family(tmp_path / "qwen3_5", "qwen3_5"), backend)
-    with pytest.raises(ValueError, match="linear_attention"):
-        engine.target.new_batch()
+def test_layers_of_an_unknown_kind_are_refused_by_name():
+    info = TargetInfo(path="x", model_type="falcon_h1", vocab_size=8, hidden_size=8, num_hidden_layers=2,
+                      layer_types=("linear_attention", "mamba"))
+    assert "mamba" in batch_problem(info) and "falcon_h1" in batch_problem(info)
+    assert batch_problem(replace(info, layer_types=("linear_attention", "full_attention"))) is None
