@@ -211,6 +211,17 @@ def test_a_gated_deltanet_crop_that_keeps_another_rows_count_breaks_identity(tar
     assert any(got[key] != solo[key] for key in SEQUENCES)
 
 
+def test_hybrid_rows_recorded_by_the_closed_form_equal_their_solo_runs(targets, monkeypatch):
+    """What an accelerator runs: every row's per-position states from the delta rule's closed form."""
+    from speculant.backends.torch.rollback import ROLLBACK
+
+    engine = engine_for(targets("qwen3_5"))
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    monkeypatch.setattr(ROLLBACK, "closed_form", True)
+    got, _ = batched_greedy(engine.target.new_batch(), solo)
+    assert got == solo
+
+
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_a_hybrid_row_cropped_to_before_its_block_reads_as_if_it_never_ran(targets, backend):
     """A crop may keep none of a row's block: its Gated DeltaNet states go back to those before it."""

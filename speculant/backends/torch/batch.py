@@ -41,7 +41,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from speculant.backends.torch.rollback import RollbackCache
-
 from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
 
@@ -136,11 +135,12 @@ class TorchBatch(BatchedTarget):
 
     @torch.inference_mode()
     def crop(self, lengths: Sequence[int]) -> None:
-        before, widths = self.book.block or (None, [])
+        before = self.lengths_before_block()
+        widest = max(self.book.block[1])
         if self.book.crop(lengths, self.keys):
             self._compact()
         if self._hybrid:
-            _keep_linear(self.cache, [length - first for length, first in zip(lengths, before.tolist())], max(widths))
+            _keep_linear(self.cache, [length - first for length, first in zip(lengths, before)], widest)
             self.cache.block_states.clear()
 
     def _between_cycles(self, what: str) -> None:
@@ -212,21 +212,19 @@ def _keep_linear(cache, kept: Sequence[int], width: int) -> None:
     sequence's start). The layer recorded the forward (``RollbackCache``, past recording on): its
     conv state is the previous window + the forward's inputs, its history the state before each
     position, its state the one after the last."""
-    rows = torch.arange(len(kept))
-    at = torch.as_tensor(list(kept))
     for index, layer in enumerate(_linear_layers(cache)):
-        size = layer.conv_kernel_size[0]
+        device, size = layer.conv_states[0].device, layer.conv_kernel_size[0]
+        at = torch.as_tensor(list(kept), device=device)
         inputs = torch.nn.functional.pad(layer.conv_states[0], (size, 0))  # [rows, channels, size + old + width]
-        start = (inputs.shape[-1] - size - width + at).to(inputs.device)
-        window = (start[:, None] + torch.arange(size, device=inputs.device))[:, None, :]
-        layer.conv_states[0] = inputs.gather(2, window.expand(-1, inputs.shape[1], -1))
+        window = inputs.shape[-1] - size - width + at[:, None] + torch.arange(size, device=device)  # [rows, size]
+        layer.conv_states[0] = inputs.gather(2, window[:, None, :].expand(-1, inputs.shape[1], -1))
         history = layer.recurrent_states_history[0]
         if any(k != width for k in kept):  # a prefill keeps everything: its state is the last one
             if len(history) != width:
                 raise RuntimeError(f"Gated DeltaNet layer {index} of the batch recorded {len(history)} states for a "
                                    f"block of {width}: its delta rule is not one speculant records per position")
             states = torch.stack(history + [layer.recurrent_states[0]])  # [width + 1, rows, heads, k, v]
-            layer.recurrent_states[0] = states[at.to(states.device), rows.to(states.device)]
+            layer.recurrent_states[0] = states[at, torch.arange(len(kept), device=device)]
         layer.recurrent_states_history[0] = []
 
 
