@@ -15,7 +15,7 @@ import numpy as np
 
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
-_BATCHED_KINDS = ("full_attention", "sliding_attention")
+_BATCHED_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def batch_problem(info: TargetInfo) -> str | None:
@@ -24,7 +24,7 @@ def batch_problem(info: TargetInfo) -> str | None:
     if not refused:
         return None
     return (f"batched verify does not roll back {', '.join(refused)} layers per sequence yet "
-            f"(target family {info.model_type}); it batches {' and '.join(_BATCHED_KINDS)} only")
+            f"(target family {info.model_type}); it batches {', '.join(_BATCHED_KINDS)} only")
 
 
 class BatchedTarget(ABC):

@@ -8,19 +8,24 @@ layer's :class:`RowsCache` answers with an ``offset`` array (each row's first bl
 ``mx.fast.rope`` takes one offset per row) and with the row book's mask. A sequence joins through
 the same forward over a one-row cache of its own (in chunks of ``PREFILL_STEP`` rows, as the
 single-sequence prefill), then becomes a row. Full and sliding-window
-attention (sliding rows kept at full length, masked to the window); Gated DeltaNet is refused
-(``core.batch.batch_problem``).
+attention (sliding rows kept at full length, masked to the window). Gated DeltaNet layers keep
+the single-sequence ``caches.DeltaCache``, one row per sequence: a verify runs inside
+``caches.recording`` (each position's recurrent state of every row, and the block's convolution
+inputs) and the crop gives each row the states after its own accepted count
+(``DeltaCache.keep_rows``). A row's padding follows its real tokens, so it only moves states the
+crop throws away; the linear layers get no mask.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Hashable, Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
-from speculant.backends.mlx.caches import WindowKVCache, target_cache
+from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
 from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
@@ -79,16 +84,16 @@ class MLXBatch(BatchedTarget):
 
     def __init__(self, target) -> None:
         super().__init__(target)
-        self._windows = [c.window if isinstance(c, WindowKVCache) else None
-                         for c in target_cache(target.model, target.info.sliding_window)]
+        self._kinds = target_cache(target.model, target.info.sliding_window)  # what each layer's cache is
         self._empty()
 
     def _empty(self) -> None:
         self.layers = self._new_layers()
         self.book = RowBook(self.compact_at)
 
-    def _new_layers(self) -> list[RowsCache]:
-        return [RowsCache(window) for window in self._windows]
+    def _new_layers(self) -> list[RowsCache | DeltaCache]:
+        return [DeltaCache(len(c.cache)) if isinstance(c, DeltaCache)
+                else RowsCache(c.window if isinstance(c, WindowKVCache) else None) for c in self._kinds]
 
     @property
     def lengths(self) -> list[int]:
@@ -112,10 +117,15 @@ class MLXBatch(BatchedTarget):
             logits, f, h = self._forward([list(token_ids[start:start + PREFILL_STEP])], solo, book, capture)
             features.append(_row(f, 0))
             finals.append(_row(h, 0))
-            mx.eval([logits] + [a for layer in solo for a in layer.state] + [a for a in (f, h) if a is not None])
+            mx.eval([logits] + _arrays(solo) + [a for a in (f, h) if a is not None])
         self.book.add_row(len(token_ids))
-        for layer, new in zip(self.layers, solo):
+        for layer, new in zip(_attention(self.layers), _attention(solo)):
             layer.append_row(new, self.book.columns)
+        for layer, new in zip(_deltas(self.layers), _deltas(solo)):
+            if layer.empty():
+                layer.cache = list(new.cache)
+            else:
+                layer.extend(new)
         self.keys.append(key)
         self._settle(logits)
         return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
@@ -128,8 +138,10 @@ class MLXBatch(BatchedTarget):
             self._empty()
             return
         kept = mx.array([i for i in range(len(self.keys) + 1) if i != row])
-        for layer in self.layers:
+        for layer in _attention(self.layers):
             layer.gather(kept, axis=0)
+        for layer in _deltas(self.layers):
+            layer.filter(kept)
         self.book.drop_row(row)
         self._compact()  # the trailing columns only the row that left used
 
@@ -147,8 +159,11 @@ class MLXBatch(BatchedTarget):
                 for row, width in enumerate(widths)]
 
     def crop(self, lengths: Sequence[int]) -> None:
+        before = self.lengths_before_block()
         if self.book.crop(lengths, self.keys):
             self._compact()
+        for layer in _deltas(self.layers):
+            layer.keep_rows([length - first for length, first in zip(lengths, before)])
 
     def _between_cycles(self, what: str) -> None:
         if self.book.block is not None:
@@ -161,13 +176,16 @@ class MLXBatch(BatchedTarget):
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = block
         query = book.open_block([len(block) for block in blocks])
-        masks = {window: mx.array(book.visible(query, window))[:, None] for window in set(self._windows)}
-        for layer in layers:
+        attention = _attention(layers)
+        masks = {window: mx.array(book.visible(query, window))[:, None] for window in {a.window for a in attention}}
+        for layer in attention:
             layer.offset, layer.mask = mx.array(query[:, 0]), masks[layer.window]
         recorder = self.target._recorder
         recorder.start(capture)
         try:
-            logits = self.target.model(mx.array(ids), cache=layers)
+            # a verify records each position's Gated DeltaNet states (caches.py), a join's prefill none
+            with recording(layers) if book is self.book else nullcontext():
+                logits = self.target.model(mx.array(ids), cache=layers)
         except BaseException:
             recorder.start(Capture())  # stop recording; keep the original error
             raise
@@ -178,12 +196,31 @@ class MLXBatch(BatchedTarget):
 
     def _settle(self, logits: mx.array) -> None:
         """Evaluate the forward and the caches now, so the graph does not grow across cycles."""
-        mx.eval([logits] + [a for layer in self.layers for a in layer.state])
+        mx.eval([logits] + _arrays(self.layers))
 
     def _compact(self) -> None:
         order = mx.array(self.book.compaction())
-        for layer in self.layers:
+        for layer in _attention(self.layers):
             layer.gather(order, axis=2)
+
+
+def _attention(layers: list) -> list[RowsCache]:
+    return [layer for layer in layers if isinstance(layer, RowsCache)]
+
+
+def _deltas(layers: list) -> list[DeltaCache]:
+    return [layer for layer in layers if isinstance(layer, DeltaCache)]
+
+
+def _arrays(layers: list) -> list[mx.array]:
+    """What the layers hold (a DeltaCache's recorded block included), to evaluate."""
+    held = []
+    for layer in layers:
+        if isinstance(layer, DeltaCache):
+            held += [a for a in (*layer.cache, layer.conv_input, *layer.states) if a is not None]
+        else:
+            held += layer.state
+    return held
 
 
 def _pad(array: mx.array, columns: int) -> mx.array:

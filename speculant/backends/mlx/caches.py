@@ -139,12 +139,13 @@ class DeltaCache(ArraysCache):
 
     def __init__(self, size: int = 2) -> None:
         super().__init__(size)
-        self.conv_input: mx.array | None = None  # [1, kernel - 1 + w, channels]
+        self.conv_input: mx.array | None = None  # [rows, kernel - 1 + w, channels]
         self.states: list[mx.array] = []  # recurrent state after each block position
+        self.initial: mx.array | None = None  # the recurrent state before the block
         self.before_step: list | None = None  # [conv, recurrent] before the last one-token step
 
     def forget(self) -> None:
-        self.conv_input, self.states, self.before_step = None, [], None
+        self.conv_input, self.states, self.initial, self.before_step = None, [], None, None
 
     def keep_step_undo(self) -> None:
         """Before a one-token step: keep the state (references, no copy) so ``trim(1)`` can take
@@ -174,12 +175,22 @@ class DeltaCache(ArraysCache):
         if n >= width:
             raise RollbackError(f"a Gated DeltaNet state can roll back at most {width - 1} of the last verified "
                                 f"block's {width} positions, not {n}")
-        kept = width - n
-        rows = self.conv_input.shape[1] - width  # kernel - 1
-        self[0] = mx.contiguous(self.conv_input[:, kept:kept + rows, :])
-        self[1] = self.states[kept - 1]
-        self.forget()
+        self.keep_rows([width - n] * self.conv_input.shape[0])
         return n
+
+    def keep_rows(self, kept: list[int]) -> None:
+        """Give row ``r`` its states after the first ``kept[r]`` positions of the recorded block
+        (0: those before it): the recurrent state recorded there and the ``kernel - 1`` inputs
+        up to there. A batch's rows each keep their own count (``batch.MLXBatch.crop``)."""
+        window = self.conv_input.shape[1] - self.recorded  # kernel - 1
+        states = [self.initial, *self.states]
+        if len(kept) == 1:  # one sequence: slices, no copies
+            self[0] = mx.contiguous(self.conv_input[:, kept[0]:kept[0] + window, :])
+            self[1] = states[kept[0]]
+        else:
+            self[0] = mx.stack([self.conv_input[r, k:k + window] for r, k in enumerate(kept)])
+            self[1] = mx.stack([states[k][r] for r, k in enumerate(kept)])
+        self.forget()
 
 
 def target_cache(model: nn.Module, window: int | None) -> list:
@@ -277,7 +288,7 @@ def _per_position(original):
                                 None if mask is None else mask[:, step], **kwargs)
             ys.append(y)
             states.append(state)
-        cache.states = states
+        cache.states, cache.initial = states, initial
         return mx.concatenate(ys, axis=1), state
 
     gated_delta_update.speculant_original = original

@@ -21,20 +21,30 @@ rows a cycle, small beside the cache the queries read.
 Layer kinds: full attention, and sliding-window attention as full-length rows masked to the
 window (a column is visible when ``query position - its position < window``), so sliding layers
 keep every row while batched (memory, not correctness; a trim of columns every row has left
-behind is future work). Gated DeltaNet (``linear_attention``) is refused (``core.batch.batch_problem``):
-its per-row recurrent and convolution states need per-position recording per row, not done yet.
+behind is future work). Gated DeltaNet (``linear_attention``): per row, a recurrent state and a
+short-convolution window. The batch's cache is a ``rollback.RollbackCache`` (its attention layers
+plain full-length ones): a verify records each position's recurrent state of every row (the
+single-sequence rollback's delta-rule wrapper, over ``[rows, ...]``) and keeps the block's
+convolution inputs; the crop gives each row the state after its own accepted count and the
+``kernel`` inputs before it (:func:`_keep_linear`). A row's padding comes after its real tokens, so
+it only moves states the crop throws away; the linear layers get no mask.
 MLX: ``backends/mlx/batch.py``, over the same ``RowBook``.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Hashable, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from speculant.backends.torch.rollback import RollbackCache
 from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
+
+LINEAR = "linear_attention"
 
 
 class TorchBatch(BatchedTarget):
@@ -44,12 +54,24 @@ class TorchBatch(BatchedTarget):
         super().__init__(target)
         self._device = target.model.device
         kinds = tuple(dict.fromkeys(target.info.layer_types or ("full_attention",)))
-        self._windows = {kind: target.info.sliding_window if kind == "sliding_attention" else None for kind in kinds}
+        self._hybrid = LINEAR in kinds
+        self._windows = {kind: target.info.sliding_window if kind == "sliding_attention" else None
+                         for kind in kinds if kind != LINEAR}
         self._empty()
 
     def _empty(self) -> None:
-        self.cache = DynamicCache()  # every layer a full-length DynamicLayer; sliding ones are masked
+        self.cache = self._new_cache()
         self.book = RowBook(self.compact_at)
+
+    def _new_cache(self) -> DynamicCache:
+        """Every attention layer a full-length DynamicLayer (sliding ones are masked); Gated
+        DeltaNet layers recording their last forward (``RollbackCache``) until :func:`_keep_linear`."""
+        if not self._hybrid:
+            return DynamicCache()
+        cache = RollbackCache(self.target.model.config)
+        cache.layers = [layer if isinstance(layer, LinearAttentionCacheLayerMixin) else DynamicLayer()
+                        for layer in cache.layers]
+        return cache
 
     @property
     def lengths(self) -> list[int]:
@@ -67,9 +89,10 @@ class TorchBatch(BatchedTarget):
         self._between_cycles("join")
         if len(token_ids) == 0:
             raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
-        solo = DynamicCache()
+        solo = self._new_cache()
         ids = self.target.backend.int_array(token_ids)[None, :]
         logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1)
+        _keep_linear(solo, [len(token_ids)], len(token_ids))
         self._merge(solo, len(token_ids))
         self.keys.append(key)
         return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
@@ -83,8 +106,11 @@ class TorchBatch(BatchedTarget):
             self._empty()
             return
         kept = torch.tensor([i for i in range(len(self.keys) + 1) if i != row], device=self._device)
-        for layer in self._layers():
+        for layer in _attention_layers(self.cache):
             layer.keys, layer.values = layer.keys.index_select(0, kept), layer.values.index_select(0, kept)
+        for layer in _linear_layers(self.cache):
+            layer.conv_states[0] = layer.conv_states[0].index_select(0, kept)
+            layer.recurrent_states[0] = layer.recurrent_states[0].index_select(0, kept)
         self.book.drop_row(row)
         self._compact()  # the trailing columns only the row that left used
 
@@ -109,22 +135,26 @@ class TorchBatch(BatchedTarget):
 
     @torch.inference_mode()
     def crop(self, lengths: Sequence[int]) -> None:
+        before = self.lengths_before_block()
+        widest = max(self.book.block[1])
         if self.book.crop(lengths, self.keys):
             self._compact()
+        if self._hybrid:
+            _keep_linear(self.cache, [length - first for length, first in zip(lengths, before)], widest)
+            self.cache.block_states.clear()
 
     def _between_cycles(self, what: str) -> None:
         if self.book.block is not None:
             raise RuntimeError(f"{what} between cycles: crop the last verified block first")
 
-    def _layers(self):
-        return [layer for layer in self.cache.layers if layer.is_initialized]
-
     def _forward(self, ids: torch.Tensor, cache, capture: Capture, logits_to_keep: int, **inputs):
         target = self.target
         target._recorder.start(capture)
         try:
-            out = target.model(input_ids=ids, **{target._cache_kwarg: cache}, use_cache=True,
-                               logits_to_keep=logits_to_keep, **inputs)
+            # a verify records each position's Gated DeltaNet states (rollback.py), a join's prefill none
+            with cache.verifying() if self._hybrid and cache is self.cache else nullcontext():
+                out = target.model(input_ids=ids, **{target._cache_kwarg: cache}, use_cache=True,
+                                   logits_to_keep=logits_to_keep, **inputs)
         except BaseException:  # stop recording, keep the original error
             target._recorder.finish(Capture())
             raise
@@ -139,6 +169,8 @@ class TorchBatch(BatchedTarget):
         masks = {kind: torch.where(torch.from_numpy(self.book.visible(query, window)).to(self._device), zero,
                                    blocked)[:, None]
                  for kind, window in self._windows.items()}
+        if self._hybrid:
+            masks[LINEAR] = None  # padding follows each row's tokens: it moves only states the crop drops
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _merge(self, solo, length: int) -> None:
@@ -149,15 +181,51 @@ class TorchBatch(BatchedTarget):
             self.cache = solo
             return
         columns = self.book.columns
-        for layer, new in zip(self._layers(), [layer for layer in solo.layers if layer.is_initialized]):
+        for layer, new in zip(_attention_layers(self.cache), _attention_layers(solo)):
             layer.keys = torch.cat([_pad(layer.keys, columns, 2), _pad(new.keys, columns, 2)], dim=0)
             layer.values = torch.cat([_pad(layer.values, columns, 2), _pad(new.values, columns, 2)], dim=0)
+        for layer, new in zip(_linear_layers(self.cache), _linear_layers(solo)):
+            layer.conv_states[0] = torch.cat([layer.conv_states[0], new.conv_states[0]])
+            layer.recurrent_states[0] = torch.cat([layer.recurrent_states[0], new.recurrent_states[0]])
 
     def _compact(self) -> None:
         order = torch.from_numpy(self.book.compaction()).to(self._device)
-        for layer in self._layers():
+        for layer in _attention_layers(self.cache):
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
+def _attention_layers(cache) -> list:
+    """The attention layers holding rows."""
+    return [layer for layer in cache.layers
+            if not isinstance(layer, LinearAttentionCacheLayerMixin) and layer.is_initialized]
+
+
+def _linear_layers(cache) -> list:
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _keep_linear(cache, kept: Sequence[int], width: int) -> None:
+    """Give each row ``r`` of every Gated DeltaNet layer its states after the first ``kept[r]``
+    positions of the last forward (``width`` wide, its rows right-padded): the recurrent state
+    recorded there and the last ``kernel`` convolution inputs up to there (zeros before the
+    sequence's start). The layer recorded the forward (``RollbackCache``, past recording on): its
+    conv state is the previous window + the forward's inputs, its history the state before each
+    position, its state the one after the last."""
+    for index, layer in enumerate(_linear_layers(cache)):
+        device, size = layer.conv_states[0].device, layer.conv_kernel_size[0]
+        at = torch.as_tensor(list(kept), device=device)
+        inputs = torch.nn.functional.pad(layer.conv_states[0], (size, 0))  # [rows, channels, size + old + width]
+        window = inputs.shape[-1] - size - width + at[:, None] + torch.arange(size, device=device)  # [rows, size]
+        layer.conv_states[0] = inputs.gather(2, window[:, None, :].expand(-1, inputs.shape[1], -1))
+        history = layer.recurrent_states_history[0]
+        if any(k != width for k in kept):  # a prefill keeps everything: its state is the last one
+            if len(history) != width:
+                raise RuntimeError(f"Gated DeltaNet layer {index} of the batch recorded {len(history)} states for a "
+                                   f"block of {width}: its delta rule is not one speculant records per position")
+            states = torch.stack(history + [layer.recurrent_states[0]])  # [width + 1, rows, heads, k, v]
+            layer.recurrent_states[0] = states[at, torch.arange(len(kept), device=device)]
+        layer.recurrent_states_history[0] = []
 
 
 def _pad(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:
