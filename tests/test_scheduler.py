@@ -1,0 +1,220 @@
+"""The scheduler (core/scheduler.py, issue #39): requests verified together in one target forward a
+cycle, each exact as if alone. Requests of different prompt lengths and acceptance patterns (one
+drafted the true continuation, so accepted whole; one drafted wrong, so rejected at 0) join as
+others leave; a request running alone moves into a batch when others arrive; a cancelled one
+frees its slot; a sampled one keeps the target's law beside greedy ones; each equals its solo run
+token for token (float32) on every family, both backends, every built-in drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculant.api import load_engine  # noqa: E402
+from speculant.core.loop import Loop  # noqa: E402
+from speculant.core.scheduler import Request, Scheduler  # noqa: E402
+from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
+from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
+from test_drafter_fork import load, pairs  # noqa: E402,F401  (the fork tests' pairs: a fixture)
+
+BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
+FAMILIES = ("llama", "mistral", "gemma3_text", "gpt_oss", "qwen3_5", "qwen3_next")
+NEW = 40  # crosses the sliding window (16)
+PROMPTS = [list(range(5, 12)), list(range(30, 50)), list(range(60, 63)), list(range(90, 103)), list(range(140, 149))]
+SCRIPTED = (0, 2, 3)  # the planted drafter proposes these prompts' true continuation; 1 and 4 it gets wrong
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, torch_threads):
+    root, built = tmp_path_factory.mktemp("scheduler_families"), {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tiny_family(root / name, name, sliding_window=16)
+        return built[name]
+
+    return get
+
+
+def backend_config(backend: str) -> dict:
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    return {"kind": backend, "device": "cpu", "dtype": "float32"}
+
+
+def planted(target, backend: str, plain: list[list[int]], **extra):
+    script = [[PROMPTS[i], plain[i]] for i in SCRIPTED]
+    drafter = {"kind": "planted", "options": {"script": script, "mistakes": [-1]}, "block_size": 6}
+    config = {"backend": backend_config(backend), "target": {"path": str(target)}, "drafter": drafter, **extra}
+    return load_engine(config, registry=registry_with_planted())
+
+
+def solo(engine, prompts, new=NEW, **settings) -> list[list[int]]:
+    return [engine.run(prompt_ids=p, max_new_tokens=new, ignore_eos=True, **settings).token_ids for p in prompts]
+
+
+def requests(engine, prompts, new=NEW, **settings) -> list[Request]:
+    sampling, generation, block = engine._settings(new, {"ignore_eos": True, **settings})
+    return [Request(Loop(engine, p, sampling, generation, block), generation.stop_strings, key=i)
+            for i, p in enumerate(prompts)]
+
+
+def drain(events, emitted: dict) -> None:
+    for request, chunk in events:
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(family):
+    cache = {}
+
+    def get(name: str, backend: str):
+        if (name, backend) not in cache:
+            engine = load_engine({"backend": backend_config(backend), "target": {"path": str(family(name))}})
+            cache[name, backend] = solo(engine, PROMPTS)
+        return cache[name, backend]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_requests_equal_their_solo_runs(family, plain_tokens, name, backend):
+    plain = plain_tokens(name, backend)
+    engine = planted(family(name), backend, plain)
+    results = engine.run_many(prompt_ids=PROMPTS, max_new_tokens=NEW, ignore_eos=True, max_batch=3)
+    for i, result in enumerate(results):
+        assert result.token_ids == plain[i], f"request {i}"
+        assert result.stats.batched_cycles > 0
+        lengths = result.stats.acceptance_lengths
+        if i in SCRIPTED:
+            assert np.mean(lengths) > 3, lengths  # accepted whole
+        else:
+            assert sum(n > 1 for n in lengths) <= 1, lengths  # rejected at 0
+    # the scripted requests end first, so the last prompts join at different cycles
+    assert results[3].stats.batched_cycles < results[1].stats.batched_cycles
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mtp", "lookup"])
+def test_every_drafter_batched_equals_its_solo_runs(pairs, kind, backend):  # noqa: F811
+    engine, prompts = load(pairs, kind, backend, compile="auto")
+    prompts = prompts + [prompts[0][3:], prompts[1][:9]]  # four lengths
+    want = solo(engine, prompts)
+    results = engine.run_many(prompt_ids=prompts, max_new_tokens=NEW, ignore_eos=True, max_batch=3)
+    assert [r.token_ids for r in results] == want
+    assert all(r.stats.batched_cycles > 0 for r in results[:3])  # the fourth may end up alone
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_running_alone_moves_into_the_batch(pairs, backend):  # noqa: F811
+    engine, prompts = load(pairs, "dflash", backend, compile="auto", ahead="on")
+    prompts = prompts + [prompts[0][5:]]
+    want = solo(engine, prompts)
+    first, *others = requests(engine, prompts)
+    scheduler, emitted = Scheduler(engine, max_batch=4), {}
+    scheduler.add(first)
+    events = scheduler.run()
+    for _ in range(3):  # three chunks alone, on the target's own cache (drafting ahead)
+        request, chunk = next(events)
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+    assert scheduler.rows is None and first.loop.stats.drafts_ahead > 0
+    for request in others:
+        scheduler.add(request)
+    drain(events, emitted)
+    assert [emitted[i] for i in range(len(prompts))] == want
+    assert 0 < first.loop.stats.batched_cycles < first.loop.stats.verify_steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cancelled_request_frees_its_slot_and_changes_nobody(family, plain_tokens, backend):
+    plain = plain_tokens("llama", backend)
+    engine = planted(family("llama"), backend, plain)
+    reqs = requests(engine, PROMPTS[:3])
+    scheduler, emitted, live = Scheduler(engine, max_batch=2), {}, []
+    for request in reqs:
+        scheduler.add(request)
+    for request, chunk in scheduler.run():
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+        live.append(len(scheduler.live))
+        if request.key == 1 and len(emitted[1]) >= 3:
+            request.loop.cancel.set()  # mid-request, between cycles of the batch
+    assert reqs[1].loop.stats.stop_reason == "cancelled"
+    assert emitted[1] == plain[1][: len(emitted[1])] and len(emitted[1]) < NEW
+    assert emitted[0] == plain[0] and emitted[2] == plain[2]
+    assert reqs[2].loop.stats.batched_cycles > 0  # joined in the freed slot
+    assert max(live) == 2
+
+
+def test_a_drafter_that_cannot_fork_leaves_batched_requests_plain(family, plain_tokens, monkeypatch):
+    plain = plain_tokens("llama", "torch")
+    engine = planted(family("llama"), "torch", plain)
+
+    def refuse(self):
+        raise NotImplementedError("PlantedDrafter cannot fork")
+
+    monkeypatch.setattr(PlantedDrafter, "fork", refuse)
+    results = engine.run_many(prompt_ids=PROMPTS[:3], max_new_tokens=NEW, ignore_eos=True)
+    assert [r.token_ids for r in results] == plain[:3]
+    notes = [r.stats.batch_note for r in results]
+    assert notes.count(None) == 1 and "cannot fork" in (notes[1] or "")
+
+
+def test_a_target_that_cannot_batch_takes_turns(family, plain_tokens, monkeypatch):
+    plain = plain_tokens("llama", "torch")
+    engine = planted(family("llama"), "torch", plain)
+
+    def refuse():
+        raise ValueError("no batches here")
+
+    monkeypatch.setattr(engine.target, "new_batch", refuse)
+    reqs = requests(engine, PROMPTS[:3])
+    scheduler, emitted = Scheduler(engine, max_batch=3), {}
+    for request in reqs:
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    assert [emitted[i] for i in range(3)] == plain[:3]
+    assert scheduler.batch_refused == "no batches here"
+    assert all(r.loop.stats.batched_cycles == 0 for r in reqs)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name):
+    """The first two tokens of a request sampled at temperature 1, verified in a batch beside two
+    greedy requests, follow the target's own two-token law (chi-square over many seeds)."""
+    from speculant.core.sampling import target_probs
+    from speculant.core.types import SamplingParams
+    from stats_helpers import gof_pvalue
+
+    target = family(name)
+    drafter = {"kind": "planted", "options": {"script": [], "mistakes": [-1]}, "block_size": 4}
+    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(target)}, "drafter": drafter,
+                          "verifier": {"kind": "speculative_sampling"}}, registry=registry_with_planted())
+    prompt, ops = PROMPTS[1], engine.backend.ops
+
+    def next_probs(ids):
+        engine.target.reset()
+        logits = engine.target.prefill(ids).logits[-1:]
+        return ops.to_numpy(target_probs(ops, logits, SamplingParams(temperature=1.0)))[0].astype(np.float64)
+
+    first = next_probs(prompt)
+    top = int(np.argmax(first))
+    second = next_probs(prompt + [top])
+    firsts, pairs_ = [], []
+    for seed in range(1200):
+        greedy = requests(engine, [PROMPTS[0], PROMPTS[3]], new=3)
+        sampled = requests(engine, [prompt], new=3, temperature=1.0, seed=seed)[0]
+        sampled.key = "sampled"
+        scheduler, emitted = Scheduler(engine, max_batch=3), {}
+        for request in [greedy[0], sampled, greedy[1]]:
+            scheduler.add(request)
+        drain(scheduler.run(), emitted)
+        assert sampled.loop.stats.batched_cycles > 0
+        a, b = emitted["sampled"][:2]
+        firsts.append(a)
+        if a == top:
+            pairs_.append(b)
+    assert gof_pvalue(np.array(firsts), first) > 1e-3
+    assert len(pairs_) > 50 and gof_pvalue(np.array(pairs_), second) > 1e-3
