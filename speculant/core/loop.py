@@ -198,14 +198,16 @@ class Loop:
         e.target.crop(length)
         return new
 
-    def propose(self) -> "Proposal":
-        """This cycle's proposal after the last emitted token: a draft planned to its width (or
-        none: a plain step), or a tree for the tree verifier."""
+    def propose(self, most: int | None = None) -> "Proposal":
+        """This cycle's proposal after the last emitted token: a draft planned to its width, at
+        most ``most`` tokens (0, or none drafted: a plain step), or a tree for the tree verifier."""
         e, position, anchor = self.e, self.position, self.produced[-1]
         if self.limit is not None and position >= self.limit:
             self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
         k = self._room(position)
         ahead, self._ahead = self._ahead, None
+        if most is not None and ahead is None:  # a draft made ahead is the drafter's state already: kept
+            k = min(k, most)
         if ahead is not None and self.speculating and k > 0:
             draft, draft_s = (ahead if k >= ahead.num_tokens else ahead.truncated(k, e.backend.ops)), 0.0
         elif self.speculating and k > 0:

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
+from speculant.core.batch_plan import BatchPlan
 from speculant.core.errors import GenerationError
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Capture, Chunk
@@ -75,6 +76,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._drafters = [] if engine.drafter is None else [engine.drafter]  # free per-sequence states
         self._verifiers = [engine.verifier]
+        self.plan = BatchPlan()  # the batched forward's cost and each row's width
+        self.plan_widths = True  # False: every row drafts as its verifier plans, whatever the load
         self.batched_cycles = 0
         self.rows_verified = 0  # requests verified over those cycles
 
@@ -190,10 +193,11 @@ class Scheduler:
         live = list(self.live)
         if not live:
             return
-        ops = self.e.backend.ops
-        proposals = [request.loop.propose() for request in live]
+        ops, cycle_start = self.e.backend.ops, time.perf_counter()
+        proposals = [request.loop.propose(most) for request, most in zip(live, self._limits(live))]
+        blocks = [p.block(ops) for p in proposals]
         start = time.perf_counter()
-        outs = self.rows.verify([p.block(ops) for p in proposals], self._capture())
+        outs = self.rows.verify(blocks, self._capture())
         target_s = time.perf_counter() - start
         before = self.rows.lengths_before_block()
         lengths, news = [], []
@@ -207,12 +211,22 @@ class Scheduler:
             lengths.append(length)
             news.append(new)
         self.rows.crop(lengths)
+        self.plan.observe(len(live), sum(map(len, blocks)), time.perf_counter() - cycle_start,
+                          [p.draft_s for p in proposals])
         self.batched_cycles += 1
         self.rows_verified += len(live)
         for request, new in zip(live, news):
             chunk = request.chunk(new)
             if chunk is not None:
                 yield request, chunk
+
+    def _limits(self, live: list[Request]) -> list[int | None]:
+        """Each row's most drafts this cycle, from the cost model (None: as the verifier plans)."""
+        if self.e.drafter is None or not self.plan_widths:
+            return [None] * len(live)
+        loops = [request.loop for request in live]
+        rooms = [max(0, loop._room(loop.position)) if loop.speculating else 0 for loop in loops]
+        return self.plan.limits(rooms, [loop.stats for loop in loops])
 
     def _leave_ended(self) -> Iterator[tuple[Request, Chunk]]:
         for request in [r for r in self.live if r.loop.ended]:
@@ -226,6 +240,8 @@ class Scheduler:
         if self.rows is not None and not self.rows.keys:
             self.rows = None  # the next request alone runs on the target's own cache again
         loop = request.loop
+        if loop.batched:
+            self.plan.pool(loop.stats)
         self._verifiers.append(loop.verifier)
         if loop.drafter is not None:
             self._drafters.append(loop.drafter)

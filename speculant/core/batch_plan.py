@@ -1,0 +1,105 @@
+"""How many drafts each batched request verifies this cycle (issue #39; docs/batching.md).
+
+A batched forward's cost depends on the tokens of every row together, not on one request: it is
+modelled as ``seconds = fixed + per_token * tokens`` (least squares over recent cycles with the
+same number of rows), plus each drafting row's draft time. A request's draft position ``j`` is
+worth its chance of being accepted, ``P(drafts 1..j accepted)``, read from the request's own
+verified cycles, pooled with every request's so far while it has few. A row drafts ``d`` tokens
+when what they are expected to add beats what the same seconds give at the batch's present rate
+(tokens per second of the cycle without them); otherwise it takes a plain step (no draft). So
+where the forward is compute-bound (a CPU, a large batch) speculation turns itself down row by
+row, and the engine stays at batched plain decoding's speed rather than below it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+
+from speculant.core.metrics import GenerationStats
+
+PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
+EXPLORE_EVERY = 16  # every this many cycles every row drafts its full width, so the cost keeps being measured
+WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
+
+
+class BatchPlan:
+    """The cost model of one scheduler's batched forwards and the widths planned from it."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (rows, tokens, forward seconds)
+        self.cycles = 0
+        self._submitted = np.zeros(0)  # pooled over every request's cycles
+        self._accepted = np.zeros(0)
+        self.draft_s = 0.0  # one row's draft time (running mean over drafting rows)
+        self._draft_count = 0
+        self.planned_plain = 0  # row-cycles planned as plain steps (stats)
+
+    # -- measurements ----------------------------------------------------------------------------
+    def observe(self, rows: int, tokens: int, seconds: float, draft_seconds: Sequence[float]) -> None:
+        """One batched cycle: its rows, the tokens verified, its seconds, each drafting row's draft time."""
+        self.cycles += 1
+        drafted = [s for s in draft_seconds if s > 0]
+        for s in drafted:
+            self._draft_count += 1
+            self.draft_s += (s - self.draft_s) / min(self._draft_count, 32)
+        self.samples.append((rows, tokens, max(seconds - sum(drafted), 1e-9)))
+
+    def pool(self, stats: GenerationStats) -> None:
+        """Add a finished request's per-position acceptance to the pooled estimate."""
+        sub, acc = np.asarray(stats.submitted_per_position, float), np.asarray(stats.accepted_per_position, float)
+        n = max(sub.size, self._submitted.size)
+        self._submitted = _padded(self._submitted, n) + _padded(sub, n)
+        self._accepted = _padded(self._accepted, n) + _padded(acc, n)
+
+    def cost(self, rows: int) -> tuple[float, float]:
+        """``(fixed, per_token)`` seconds of a forward over ``rows`` rows."""
+        same = [(t, s) for r, t, s in self.samples if r == rows]
+        data = same if len(same) >= 4 else [(t, s) for _, t, s in self.samples]
+        tokens, seconds = np.array([t for t, _ in data], float), np.array([s for _, s in data], float)
+        if tokens.size >= 3 and np.ptp(tokens) > 0:
+            per_token, fixed = np.polyfit(tokens, seconds, 1)
+            if per_token > 0 and fixed >= 0:
+                return float(fixed), float(per_token)
+        # no spread of widths to tell them apart: all cost per token, the cautious reading
+        return 0.0, float(np.median(seconds / np.maximum(tokens, 1)))
+
+    # -- the plan ----------------------------------------------------------------------------------
+    def limits(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> list[int]:
+        """Drafts each row may verify this cycle (0: a plain step), at most its ``rooms[i]``."""
+        if self.cycles < WARM_UP:  # full widths and plain steps in turn: two points of the cost line
+            return list(rooms) if self.cycles % 2 else [0] * len(rooms)
+        if self.cycles % EXPLORE_EVERY == 0:
+            return list(rooms)
+        fixed, per_token = self.cost(len(rooms))
+        gains = [np.cumsum(self._chances(s, room)) for s, room in zip(stats, rooms)]
+        tokens, seconds = float(len(rooms)), fixed + per_token * len(rooms)  # every row's anchor
+        limits = [0] * len(rooms)
+        order = sorted(range(len(rooms)), key=lambda i: -(gains[i][-1] if gains[i].size else 0.0))
+        for i in order:
+            if gains[i].size == 0:
+                continue
+            rate = tokens / seconds
+            cost = self.draft_s + per_token * np.arange(1, gains[i].size + 1)
+            net = gains[i] - rate * cost  # tokens gained beyond what the same seconds give now
+            d = int(np.argmax(net))
+            if net[d] > 0:
+                limits[i] = d + 1
+                tokens += float(gains[i][d])
+                seconds += float(cost[d])
+        self.planned_plain += limits.count(0)
+        return limits
+
+    def _chances(self, stats: GenerationStats, room: int) -> np.ndarray:
+        """``P(drafts 1..j accepted)`` for j = 1..room: the request's own counts with the pooled ones as a prior."""
+        sub = _padded(np.asarray(stats.submitted_per_position, float), room)
+        acc = _padded(np.asarray(stats.accepted_per_position, float), room)
+        pooled_sub, pooled_acc = _padded(self._submitted, room), _padded(self._accepted, room)
+        prior = np.where(pooled_sub > 0, pooled_acc / np.maximum(pooled_sub, 1), 0.5 ** np.arange(1, room + 1))
+        return np.minimum.accumulate((acc + PRIOR_CYCLES * prior) / (sub + PRIOR_CYCLES))
+
+
+def _padded(values: np.ndarray, n: int) -> np.ndarray:
+    return np.pad(values[:n], (0, max(0, n - values.size)))
