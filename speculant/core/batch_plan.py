@@ -22,6 +22,7 @@ from speculant.core.metrics import GenerationStats
 
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
 EXPLORE_EVERY = 16  # every this many cycles every row drafts its full width, so the cost keeps being measured
+OWN_CYCLES = 2  # a request's first drafting cycles are in full, to measure its own acceptance
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
 
 
@@ -36,6 +37,7 @@ class BatchPlan:
         self.draft_s = 0.0  # one row's draft time (running mean over drafting rows)
         self._draft_count = 0
         self.planned_plain = 0  # row-cycles planned as plain steps (stats)
+        self.enabled = True  # False: every row drafts as its verifier plans, whatever the load
 
     # -- measurements ----------------------------------------------------------------------------
     def observe(self, rows: int, tokens: int, seconds: float, draft_seconds: Sequence[float]) -> None:
@@ -69,16 +71,36 @@ class BatchPlan:
     # -- the plan ----------------------------------------------------------------------------------
     def limits(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> list[int]:
         """Drafts each row may verify this cycle (0: a plain step), at most its ``rooms[i]``."""
+        if not self.enabled:
+            return list(rooms)
         if self.cycles < WARM_UP:  # full widths and plain steps in turn: two points of the cost line
             return list(rooms) if self.cycles % 2 else [0] * len(rooms)
-        if self.cycles % EXPLORE_EVERY == 0:
+        if not any(rooms):
             return list(rooms)
-        fixed, per_token = self.cost(len(rooms))
-        gains = [np.cumsum(self._chances(s, room)) for s, room in zip(stats, rooms)]
-        tokens, seconds = float(len(rooms)), fixed + per_token * len(rooms)  # every row's anchor
-        limits = [0] * len(rooms)
-        order = sorted(range(len(rooms)), key=lambda i: -(gains[i][-1] if gains[i].size else 0.0))
-        for i in order:
+        if self.cycles % EXPLORE_EVERY == 0:  # one row at its full width: a point off the plan's line
+            row = (self.cycles // EXPLORE_EVERY) % len(rooms)
+            return [room if i == row else 0 for i, room in enumerate(rooms)]
+        limits = self._widths([np.cumsum(self._chances(s, room)) if room else np.zeros(0)
+                               for s, room in zip(stats, rooms)])
+        # a request's first cycles draft in full, so its own acceptance is known early
+        limits = [room if _verified(s) < OWN_CYCLES else most for room, most, s in zip(rooms, limits, stats)]
+        self.planned_plain += limits.count(0)
+        return limits
+
+    def drafting_pays(self, rows: int, room: int) -> bool:
+        """Whether a request joining ``rows`` others, with the pooled acceptance, would draft at all
+        (False: it joins plain, its drafter never started). True until the cost is measured."""
+        if not self.enabled or self.cycles < WARM_UP or room <= 0:
+            return True
+        gains = np.cumsum(np.minimum.accumulate(self._prior(room)))
+        return any(self._widths([gains] * (rows + 1)))
+
+    def _widths(self, gains: list[np.ndarray]) -> list[int]:
+        """Each row's drafts, given ``gains[i][d - 1]``: its expected accepted tokens from ``d`` drafts."""
+        fixed, per_token = self.cost(len(gains))
+        tokens, seconds = float(len(gains)), fixed + per_token * len(gains)  # every row's anchor
+        limits = [0] * len(gains)
+        for i in sorted(range(len(gains)), key=lambda i: -(gains[i][-1] if gains[i].size else 0.0)):
             if gains[i].size == 0:
                 continue
             rate = tokens / seconds
@@ -89,16 +111,25 @@ class BatchPlan:
                 limits[i] = d + 1
                 tokens += float(gains[i][d])
                 seconds += float(cost[d])
-        self.planned_plain += limits.count(0)
         return limits
 
     def _chances(self, stats: GenerationStats, room: int) -> np.ndarray:
         """``P(drafts 1..j accepted)`` for j = 1..room: the request's own counts with the pooled ones as a prior."""
-        sub = _padded(np.asarray(stats.submitted_per_position, float), room)
-        acc = _padded(np.asarray(stats.accepted_per_position, float), room)
-        pooled_sub, pooled_acc = _padded(self._submitted, room), _padded(self._accepted, room)
-        prior = np.where(pooled_sub > 0, pooled_acc / np.maximum(pooled_sub, 1), 0.5 ** np.arange(1, room + 1))
+        sub = np.zeros(room)
+        acc = np.zeros(room)
+        own = min(room, len(stats.submitted_per_position))
+        sub[:own], acc[:own] = stats.submitted_per_position[:own], stats.accepted_per_position[:own]
+        prior = self._prior(room)
         return np.minimum.accumulate((acc + PRIOR_CYCLES * prior) / (sub + PRIOR_CYCLES))
+
+    def _prior(self, room: int) -> np.ndarray:
+        """The pooled chances (halving per position where nothing was pooled yet)."""
+        pooled_sub, pooled_acc = _padded(self._submitted, room), _padded(self._accepted, room)
+        return np.where(pooled_sub > 0, pooled_acc / np.maximum(pooled_sub, 1), 0.5 ** np.arange(1, room + 1))
+
+
+def _verified(stats: GenerationStats) -> int:
+    return stats.submitted_per_position[0] if stats.submitted_per_position else 0
 
 
 def _padded(values: np.ndarray, n: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from speculant.core.batch_plan import BatchPlan
 from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
 from speculant.core.errors import EngineBusyError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
@@ -69,6 +70,8 @@ class Engine:
         self._busy = threading.Lock()
         # Snapshots of earlier requests' caches (prefix_cache.py); may be shared between engines.
         self.prefix_store = prefix_store(config.prefix_cache, backend)
+        # The batched forward's measured cost and the pooled acceptance, kept across batches
+        self.batch_plan = BatchPlan()
 
     # -- construction ----------------------------------------------------------------------
     def without_drafter(self) -> "Engine":

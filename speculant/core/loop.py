@@ -67,6 +67,7 @@ class Loop:
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._finished = False
+        self.plain_streak = 0  # batched cycles in a row the scheduler's plan gave no drafts
         self.batched = False  # verified in a batch (core/scheduler.py) rather than on the target's own cache
         limit = engine.verifier.max_context  # from this context on the request decodes plainly
         self.limit = limit
@@ -201,6 +202,15 @@ class Loop:
     def propose(self, most: int | None = None) -> "Proposal":
         """This cycle's proposal after the last emitted token: a draft planned to its width, at
         most ``most`` tokens (0, or none drafted: a plain step), or a tree for the tree verifier."""
+        request = self.wanted_draft(most)
+        if request is not None:
+            self._drafted = self._timed(lambda: self.drafter.propose(request), "draft_s")
+        return self.proposal()
+
+    def wanted_draft(self, most: int | None = None) -> DraftRequest | None:
+        """The first half of :meth:`propose`: the request for a model draft, when this cycle
+        wants one (the scheduler drafts every row's at once, then calls :meth:`take_draft`);
+        None when the proposal is settled without one (a free copy, a draft made ahead, a plain step)."""
         e, position, anchor = self.e, self.position, self.produced[-1]
         if self.limit is not None and position >= self.limit:
             self.speculating = False  # plain for the rest of this request; the drafter is reset by the next prefill
@@ -208,12 +218,31 @@ class Loop:
         ahead, self._ahead = self._ahead, None
         if most is not None and ahead is None:  # a draft made ahead is the drafter's state already: kept
             k = min(k, most)
+        self._k, self._drafted = k, (None, 0.0)
         if ahead is not None and self.speculating and k > 0:
-            draft, draft_s = (ahead if k >= ahead.num_tokens else ahead.truncated(k, e.backend.ops)), 0.0
+            self._drafted = (ahead if k >= ahead.num_tokens else ahead.truncated(k, e.backend.ops)), 0.0
         elif self.speculating and k > 0:
-            draft, draft_s = self._draft(anchor, position, k)
-        else:
-            draft, draft_s = None, 0.0
+            request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
+            free = self.drafter.propose_free(request)
+            if free is not None and self.trees and self.verifier.tree_next():  # the copy: one path of the tree
+                beside, draft_s = self._timed(lambda: self.drafter.propose_beside(request, free), "draft_s")
+                if beside is not None:
+                    free, self._drafted = beside, (beside, draft_s)
+            if free is None and self.verifier.wants_draft(k, position):
+                return request
+            self._drafted = (free, self._drafted[1])
+        return None
+
+    def take_draft(self, draft: Draft | None, seconds: float) -> None:
+        """The model draft :meth:`wanted_draft` asked for, made beside other rows' in ``seconds`` (its share)."""
+        self._drafted = (draft, seconds)
+        if self.timed:
+            self.stats.draft_s += seconds
+
+    def proposal(self) -> "Proposal":
+        """The second half of :meth:`propose`: the draft planned to its width, or a tree."""
+        e, position, anchor = self.e, self.position, self.produced[-1]
+        (draft, draft_s), k = self._drafted, self._k
         drafted = 0 if draft is None else draft.num_tokens
         source = DraftSource.MODEL if draft is None else draft.source
         n = self.verifier.plan(draft, k, position) if draft is not None else 0
@@ -271,20 +300,6 @@ class Loop:
         kept = self._last_whole and verification.token_ids[-1] == self.e.backend.ops.to_list(self._ahead_anchor)[0]
         self.stats.drafts_ahead_kept += int(kept)
         return kept
-
-    def _draft(self, anchor: int, position: int, k: int) -> tuple[Draft | None, float]:
-        """A free proposal (a prompt-lookup copy) if there is one, else the drafter's when the
-        verifier's policy says drafting pays this cycle; and the seconds the drafter took."""
-        e = self.e
-        request = DraftRequest(anchor, position, k, self.sampling, self.draft_rng)
-        free = self.drafter.propose_free(request)
-        if free is not None and self.trees and self.verifier.tree_next():  # the copy: one path of the tree
-            beside, draft_s = self._timed(lambda: self.drafter.propose_beside(request, free), "draft_s")
-            if beside is not None:
-                return beside, draft_s
-        if free is not None or not self.verifier.wants_draft(k, position):
-            return free, 0.0
-        return self._timed(lambda: self.drafter.propose(request), "draft_s")
 
     def _verify(self, draft, logits):
         return self.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
-from speculant.core.batch_plan import BatchPlan
+from speculant.core.batch_plan import EXPLORE_EVERY
 from speculant.core.errors import GenerationError
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Capture, Chunk
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from speculant.core.batch import BatchedTarget
     from speculant.core.engine import Engine
     from speculant.core.loop import Loop
+
+
+PLAIN_AFTER = 4  # a batched request planned plain this many cycles in a row stops speculating
 
 
 class Request:
@@ -76,8 +79,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._drafters = [] if engine.drafter is None else [engine.drafter]  # free per-sequence states
         self._verifiers = [engine.verifier]
-        self.plan = BatchPlan()  # the batched forward's cost and each row's width
-        self.plan_widths = True  # False: every row drafts as its verifier plans, whatever the load
+        self.plan = engine.batch_plan  # the batched forward's cost and each row's width
+        self._joins = 0
         self.batched_cycles = 0
         self.rows_verified = 0  # requests verified over those cycles
 
@@ -154,6 +157,9 @@ class Scheduler:
             yield from self._end(request)
             return
         started = bool(loop.produced)
+        if not started and loop.speculating and not self._worth_drafting(loop):
+            loop.speculating = False
+            loop.stats.batch_note = f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests"
         try:
             out = self.rows.join(request.key, loop.into_batch(), self._capture())
             new = [] if started else loop.first(out)
@@ -194,7 +200,7 @@ class Scheduler:
         if not live:
             return
         ops, cycle_start = self.e.backend.ops, time.perf_counter()
-        proposals = [request.loop.propose(most) for request, most in zip(live, self._limits(live))]
+        proposals = self._proposals(live)
         blocks = [p.block(ops) for p in proposals]
         start = time.perf_counter()
         outs = self.rows.verify(blocks, self._capture())
@@ -220,13 +226,39 @@ class Scheduler:
             if chunk is not None:
                 yield request, chunk
 
+    def _proposals(self, live: list[Request]) -> list:
+        """Every row's proposal; the rows that want a model draft get theirs from one
+        ``propose_rows`` call (one draft forward for all where the drafter can)."""
+        wanted = [request.loop.wanted_draft(most) for request, most in zip(live, self._limits(live))]
+        rows = [i for i, draft_request in enumerate(wanted) if draft_request is not None]
+        if rows:
+            start = time.perf_counter()
+            drafts = self.e.drafter.propose_rows([live[i].loop.drafter for i in rows], [wanted[i] for i in rows])
+            share = (time.perf_counter() - start) / len(rows)
+            for i, draft in zip(rows, drafts):
+                live[i].loop.take_draft(draft, share)
+        return [request.loop.proposal() for request in live]
+
+    def _worth_drafting(self, loop: "Loop") -> bool:
+        """Whether a joining request starts its drafter; every ``EXPLORE_EVERY``-th one does anyway,
+        so the pooled acceptance keeps being measured at this load."""
+        self._joins += 1
+        return self._joins % EXPLORE_EVERY == 0 or self.plan.drafting_pays(len(self.live) - 1, loop._room(loop.position))
+
     def _limits(self, live: list[Request]) -> list[int | None]:
         """Each row's most drafts this cycle, from the cost model (None: as the verifier plans)."""
-        if self.e.drafter is None or not self.plan_widths:
+        if self.e.drafter is None:
             return [None] * len(live)
         loops = [request.loop for request in live]
         rooms = [max(0, loop._room(loop.position)) if loop.speculating else 0 for loop in loops]
-        return self.plan.limits(rooms, [loop.stats for loop in loops])
+        limits = self.plan.limits(rooms, [loop.stats for loop in loops])
+        for loop, room, most in zip(loops, rooms, limits):
+            loop.plain_streak = loop.plain_streak + 1 if room and not most else 0
+            if loop.plain_streak >= PLAIN_AFTER:  # it has not paid for a while: stop feeding its drafter
+                loop.speculating = False
+                loop.stats.batch_note = (f"decoded plainly from token {len(loop.produced)}: drafting did not pay "
+                                         f"beside {len(loops) - 1} other requests")
+        return limits
 
     def _leave_ended(self) -> Iterator[tuple[Request, Chunk]]:
         for request in [r for r in self.live if r.loop.ended]:

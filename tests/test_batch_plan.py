@@ -1,0 +1,80 @@
+"""The batch plan (core/batch_plan.py): each batched row's drafts from its own acceptance and the
+batched forward's measured cost. Fed synthetic cycles of a known cost line, it must recover the
+line, keep rows plain where the forward is compute-bound (what each extra token costs is what it
+gives), draft where a fixed cost dominates (a GPU's memory-bound forward), and draft only for rows
+whose drafts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculant.core.batch_plan import EXPLORE_EVERY, OWN_CYCLES, WARM_UP, BatchPlan
+from speculant.core.metrics import GenerationStats
+
+ROOM = 7
+
+
+def history(accepted_per_cycle: int, cycles: int = 20, width: int = ROOM) -> GenerationStats:
+    """A request whose drafts were accepted ``accepted_per_cycle`` deep every cycle."""
+    stats = GenerationStats()
+    for _ in range(cycles):
+        stats.record_cycle(width, accepted_per_cycle, accepted_per_cycle + 1)
+    return stats
+
+
+def measured(fixed: float, per_token: float, draft: float, rows: int = 4) -> BatchPlan:
+    plan = BatchPlan()
+    for tokens in (rows, rows * 8, rows * 3, rows * 5, rows, rows * 8):
+        drafting = rows if tokens > rows else 0
+        plan.observe(rows, tokens, fixed + per_token * tokens + draft * drafting, [draft] * drafting)
+    plan.cycles = WARM_UP + 1  # past the warm-up, not at an exploring cycle
+    return plan
+
+
+def test_the_cost_line_is_recovered():
+    plan = measured(fixed=0.020, per_token=0.0005, draft=0.001)
+    fixed, per_token = plan.cost(4)
+    assert fixed == pytest.approx(0.020, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
+    assert plan.draft_s == pytest.approx(0.001)
+
+
+def test_a_compute_bound_forward_keeps_every_row_plain():
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    assert plan.limits([ROOM] * 4, [history(ROOM)] * 4) == [0, 0, 0, 0]  # even drafts always accepted
+    assert not plan.drafting_pays(3, ROOM)
+
+
+def test_a_fixed_cost_forward_drafts_for_rows_whose_drafts_are_accepted():
+    plan = measured(fixed=0.030, per_token=0.0001, draft=0.001)
+    limits = plan.limits([ROOM] * 4, [history(ROOM), history(0), history(3), history(ROOM)])
+    assert limits[0] == ROOM and limits[3] == ROOM
+    assert limits[1] == 0  # never accepted: a plain step
+    assert 0 < limits[2] <= ROOM
+    assert plan.planned_plain == 1
+
+
+def test_pooled_acceptance_decides_for_a_request_joining():
+    plan = measured(fixed=0.030, per_token=0.0001, draft=0.001)
+    plan.pool(history(0, cycles=200))  # every request so far was rejected at once
+    assert not plan.drafting_pays(3, ROOM)
+    plan.pool(history(ROOM, cycles=2000))
+    assert plan.drafting_pays(3, ROOM)
+
+
+def test_warm_up_exploration_and_a_new_requests_first_cycles():
+    plan = BatchPlan()
+    seen = [plan.limits([ROOM] * 2, [history(0)] * 2) for plan.cycles in range(WARM_UP)]
+    assert [ROOM, ROOM] in seen and [0, 0] in seen  # full and plain in turn: two points of the line
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    plan.cycles = EXPLORE_EVERY
+    assert sorted(plan.limits([ROOM] * 3, [history(ROOM)] * 3)) == [0, 0, ROOM]  # one row explores
+    plan.cycles = EXPLORE_EVERY + 1
+    new = history(0, cycles=OWN_CYCLES - 1)
+    assert plan.limits([ROOM, ROOM], [history(ROOM), new]) == [0, ROOM]
+
+
+def test_switched_off_it_leaves_every_row_its_width():
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    plan.enabled = False
+    assert plan.limits([ROOM, 3], [history(0)] * 2) == [ROOM, 3]
+    assert plan.drafting_pays(15, ROOM)
