@@ -221,3 +221,20 @@ def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name):
             pairs_.append(b)
     assert gof_pvalue(np.array(firsts), first) > 1e-3
     assert len(pairs_) > 50 and gof_pvalue(np.array(pairs_), second) > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_last_request_of_a_batch_goes_back_to_the_targets_own_cache(family, plain_tokens, backend):
+    plain = plain_tokens("gemma3_text", backend)
+    engine = planted(family("gemma3_text"), backend, plain)
+    short, long = requests(engine, [PROMPTS[0]], new=6)[0], requests(engine, [PROMPTS[1]], new=NEW)[0]
+    long.key = "long"
+    scheduler, emitted, alone = Scheduler(engine, max_batch=2), {}, []
+    scheduler.add(short)
+    scheduler.add(long)
+    for request, chunk in scheduler.run():
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+        alone.append(scheduler.rows is None)
+    assert emitted[0] == plain[0][:6] and emitted["long"] == plain[1]
+    assert alone[0] is False and alone[-1] is True  # batched at first, alone at the end
+    assert 0 < long.loop.stats.batched_cycles < long.loop.stats.verify_steps

@@ -118,12 +118,13 @@ class Loop:
         try:
             if self.cancelled():
                 return
-            e.backend.reset_peak_memory()
-            e.target.reset()
-            start = self.stats.cached_tokens = self.prefix.restore()
-            out, _ = self._timed(lambda: self.prefix.prefill(start), "target_s")
-            yield self.first(out)
-            self.prefix.prompt_done()
+            if not self.produced:  # else it comes back from a batch, its cache rebuilt (out_of_batch)
+                e.backend.reset_peak_memory()
+                e.target.reset()
+                start = self.stats.cached_tokens = self.prefix.restore()
+                out, _ = self._timed(lambda: self.prefix.prefill(start), "target_s")
+                yield self.first(out)
+                self.prefix.prompt_done()
             steps = self._greedy_steps(self.produced[-1]) if not self.ended else None
             if steps is not None:
                 yield from self._plain_greedy(steps)
@@ -145,6 +146,14 @@ class Loop:
         self.trees = self.draft_ahead = False
         self.prefix.active = False
         return list(self.prompt_ids) + self.produced[:-1]
+
+    def out_of_batch(self) -> None:
+        """Back on the target's own cache, the last of a batch: the cache is rebuilt from the
+        prompt and the emitted tokens but the last, and drafting ahead may resume (trees need the
+        verifier's per-request choice, kept off)."""
+        self.e.target.reset()
+        self.e.target.prefill(list(self.prompt_ids) + self.produced[:-1])
+        self.draft_ahead = self.speculating and self._may_draft_ahead()
 
     def first(self, out: ForwardOutput) -> list[int]:
         """The first token from the prompt's prefill ``out`` (its logits and captured rows); the

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from speculant.core.loop import Loop
 
 
+ALONE_AFTER = 32  # the last request of a batch with this many tokens to go moves back onto the target's own cache
 PLAIN_AFTER = 4  # a batched request planned plain this many cycles in a row stops speculating
 
 
@@ -102,6 +103,7 @@ class Scheduler:
             else:
                 yield from self._cycle()
                 yield from self._leave_ended()
+                self._maybe_alone()
 
     # -- admission -----------------------------------------------------------------------------
     def _next_waiting(self) -> Request | None:
@@ -259,6 +261,18 @@ class Scheduler:
                 loop.stats.batch_note = (f"decoded plainly from token {len(loop.produced)}: drafting did not pay "
                                          f"beside {len(loops) - 1} other requests")
         return limits
+
+    def _maybe_alone(self) -> None:
+        """The last request of a batch with tokens still to go moves back onto the target's own
+        cache (its fast paths), at the cost of one prefill of its context."""
+        if len(self.live) != 1 or self._waiting:
+            return
+        loop = self.live[0].loop
+        if loop.ended or loop.max_new - len(loop.produced) < ALONE_AFTER:
+            return
+        self.rows.leave(self.live[0].key)
+        self.rows = None
+        loop.out_of_batch()
 
     def _leave_ended(self) -> Iterator[tuple[Request, Chunk]]:
         for request in [r for r in self.live if r.loop.ended]:
