@@ -38,7 +38,8 @@ class GenerationResult:
 class Engine:
     """Generates with one model pairing; reuse it across prompts (weights load once).
 
-    One engine serves one request at a time. A second request while one is in flight (from
+    One engine serves one call at a time: :meth:`generate` (one request) or :meth:`generate_many`
+    (many, verified together in one target forward a cycle). A second call while one is in flight (from
     another thread, or a second generator while the first is still open) raises
     :class:`~speculant.core.errors.EngineBusyError` at once instead of waiting, since a wait
     inside one thread would never end; closing, exhausting or dropping a generator frees the
