@@ -11,8 +11,9 @@ run in one process, their order reversed every other repeat (machine drift hits 
 At c = 1 every arm runs ``--solo-prompts`` prompts one after another, one call each, so ``spec``
 is a batch of one through the scheduler and spec / single is the batch of one against
 ``engine.run`` (issue goal: within 3 %). Aggregate tokens/s = all new tokens / wall seconds of
-the arm. Reported: medians over ``--repeats`` of tokens/s and of the ratios within a repeat
-(spec / plain, spec / single), the mean acceptance per request (spec and single), and how many
+the arm (and per CPU second of this process, steadier on a shared machine). Reported: medians
+over ``--repeats`` of tokens/s and of the ratios within a repeat (spec / plain, spec / single),
+the mean acceptance per request (spec and single), and how many
 requests' tokens differ from their single-stream run (spec and plain; printed loudly, must be 0).
 One warm-up of every arm before timing.
 
@@ -86,16 +87,16 @@ def engine_config(args: argparse.Namespace, tmp: Path) -> dict:
     return embedded.engine_config(backend=args.backend or "torch")
 
 
-def run_arm(arm: str, engines: dict, prompts: list[str], c: int, n: int) -> tuple[float, list]:
-    """Seconds and per-prompt results of one arm over ``prompts``."""
+def run_arm(arm: str, engines: dict, prompts: list[str], c: int, n: int) -> tuple[float, float, list]:
+    """Wall seconds, CPU seconds of this process and per-prompt results of one arm over ``prompts``."""
     groups = [[p] for p in prompts] if c == 1 else [prompts]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if arm == "single":
         results = [engines["spec"].run(p, max_new_tokens=n, temperature=0.0) for p in prompts]
     else:
         results = [r for g in groups for r in engines[arm].run_many(g, max_new_tokens=n, max_batch=len(g),
                                                                     temperature=0.0)]
-    return time.perf_counter() - start, results
+    return time.perf_counter() - start, time.process_time() - cpu, results
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -105,19 +106,22 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) -> dict:
     prompts = prompts_for(args.solo_prompts if c == 1 else c)
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
-    ratios: dict[str, list[float]] = {"spec_over_plain": [], "spec_over_single": []}
+    cpu_rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    ratios: dict[str, list[float]] = {}
     mismatches = {"spec": 0, "plain": 0}
     acceptance: dict[str, list[float]] = {"spec": [], "single": []}
     batched_cycles: list[int] = []
     for repeat in range(args.repeats):
         results = {}
         for arm in (arms if repeat % 2 == 0 else arms[::-1]):
-            seconds, results[arm] = run_arm(arm, engines, prompts, c, args.max_new_tokens)
-            rates[arm].append(sum(r.stats.new_tokens for r in results[arm]) / seconds)
-        if "spec" in rates and "plain" in rates:
-            ratios["spec_over_plain"].append(rates["spec"][-1] / rates["plain"][-1])
-        if "spec" in rates and "single" in rates:
-            ratios["spec_over_single"].append(rates["spec"][-1] / rates["single"][-1])
+            seconds, cpu, results[arm] = run_arm(arm, engines, prompts, c, args.max_new_tokens)
+            tokens = sum(r.stats.new_tokens for r in results[arm])
+            rates[arm].append(tokens / seconds)
+            cpu_rates[arm].append(tokens / cpu)
+        for other in ("plain", "single"):
+            if "spec" in rates and other in rates:
+                ratios.setdefault(f"spec_over_{other}", []).append(rates["spec"][-1] / rates[other][-1])
+                ratios.setdefault(f"spec_over_{other}_cpu", []).append(cpu_rates["spec"][-1] / cpu_rates[other][-1])
         for arm in ("spec", "plain"):
             if arm not in results or "single" not in results:
                 continue
@@ -133,18 +137,20 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
             batched_cycles = [r.stats.batched_cycles for r in results.get("spec", [])]
     row = {"concurrency": c, "requests": len(prompts)}
     row.update({f"{arm}_tok_s": statistics.median(v) for arm, v in rates.items()})
+    row.update({f"{arm}_cpu_tok_s": statistics.median(v) for arm, v in cpu_rates.items()})
     row.update({k: statistics.median(v) for k, v in ratios.items() if v})
     row.update({f"{arm}_mismatches": m for arm, m in mismatches.items()})
     row.update({f"{arm}_mean_acceptance": statistics.fmean(v) for arm, v in acceptance.items() if v})
     row["spec_batched_cycles_mean"] = statistics.fmean(batched_cycles) if batched_cycles else 0.0
-    row["per_repeat_tok_s"] = rates
+    row["per_repeat_tok_s"], row["per_repeat_cpu_tok_s"] = rates, cpu_rates
     return row
 
 
 def print_row(row: dict) -> None:
     parts = [f"c={row['concurrency']:<3}"]
     parts += [f"{arm} {row[f'{arm}_tok_s']:7.1f} tok/s" for arm in ARMS if f"{arm}_tok_s" in row]
-    parts += [f"{k.replace('_over_', '/')} {row[k]:.3f}x" for k in ("spec_over_plain", "spec_over_single") if k in row]
+    parts += [f"{k.replace('_over_', '/')} {row[k]:.3f}x (cpu {row[k + '_cpu']:.3f}x)"
+              for k in ("spec_over_plain", "spec_over_single") if k in row]
     parts += [f"acceptance spec {row['spec_mean_acceptance']:.2f}"] if "spec_mean_acceptance" in row else []
     parts += [f"single {row['single_mean_acceptance']:.2f}"] if "single_mean_acceptance" in row else []
     parts += [f"mismatches {row.get('spec_mismatches', 0)}/{row.get('plain_mismatches', 0)}"]
