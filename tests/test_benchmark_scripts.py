@@ -3,6 +3,7 @@ but #23's figures come from them, so a script that broke would go unnoticed unti
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,25 @@ def test_expert_layout_benchmark_gives_the_same_products():
 def test_batch_verify_benchmark_runs():
     out = run("benchmarks/batch_verify.py", "--rows", "1,2", "--cycles", "2", "--context", "32", "--hidden", "64")
     assert "rows   2: batched" in out, out
+
+
+def test_batch_generate_benchmark_reports_every_arm_and_identical_outputs(tmp_path, planted_pair):
+    """#39's benchmark on a tiny planted pair: every arm timed at each concurrency, the batched
+    requests' tokens equal to their single-stream runs (the script counts any difference)."""
+    config = tmp_path / "engine.json"
+    config.write_text(json.dumps({"backend": {"kind": "torch", "dtype": "float32"},
+                                  "target": {"path": str(planted_pair["target"])},
+                                  "drafter": {"kind": "dflash", "path": str(planted_pair["draft"])}}))
+    out = tmp_path / "batch.json"
+    run("benchmarks/batch_generate.py", "--config", str(config), "--concurrency", "1,3", "--max-new-tokens", "6",
+        "--repeats", "2", "--solo-prompts", "2", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["mismatches"] == 0 and report["backend"] == "torch"
+    assert [row["concurrency"] for row in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        for key in ("spec_tok_s", "plain_tok_s", "single_tok_s", "spec_over_plain", "spec_over_single",
+                    "spec_mean_acceptance", "single_mean_acceptance"):
+            assert row[key] > 0, (key, row)
+        assert row["spec_mismatches"] == row["plain_mismatches"] == 0
+        assert len(row["per_repeat_tok_s"]["spec"]) == 2
+    assert report["rows"][1]["spec_batched_cycles_mean"] > 0  # the three requests did verify batched
