@@ -45,7 +45,7 @@ def test_a_compute_bound_forward_keeps_every_row_plain():
 
 
 def test_a_fixed_cost_forward_drafts_for_rows_whose_drafts_are_accepted():
-    plan = measured(fixed=0.030, per_token=0.0001, draft=0.001)
+    plan = measured(fixed=0.030, per_token=0.0001, draft=0.005)
     limits = plan.limits([ROOM] * 4, [history(ROOM), history(0), history(3), history(ROOM)])
     assert limits[0] == ROOM and limits[3] == ROOM
     assert limits[1] == 0  # never accepted: a plain step
@@ -54,7 +54,7 @@ def test_a_fixed_cost_forward_drafts_for_rows_whose_drafts_are_accepted():
 
 
 def test_pooled_acceptance_decides_for_a_request_joining():
-    plan = measured(fixed=0.030, per_token=0.0001, draft=0.001)
+    plan = measured(fixed=0.030, per_token=0.0001, draft=0.005)
     plan.pool(history(0, cycles=200))  # every request so far was rejected at once
     assert not plan.drafting_pays(3, ROOM)
     plan.pool(history(ROOM, cycles=2000))
@@ -71,6 +71,19 @@ def test_warm_up_exploration_and_a_new_requests_first_cycles():
     plan.cycles = EXPLORE_EVERY + 1
     new = history(0, cycles=OWN_CYCLES - 1)
     assert plan.limits([ROOM, ROOM], [history(ROOM), new]) == [0, ROOM]
+
+
+def test_a_padded_block_lets_every_row_draft_as_wide_as_the_widest():
+    """Padded to the widest row, a block costs rows x widest whoever drafts: once one row's drafts
+    pay for the widening, the others draft that wide for their draft time alone; a ragged
+    (flattened) batch charges each row its own tokens instead."""
+    plan = measured(fixed=0.010, per_token=0.0001, draft=0.0001)
+    stats = [history(ROOM), history(1), history(1), history(1)]
+    padded = plan.limits([ROOM] * 4, stats)
+    assert padded == [ROOM] * 4
+    plan.padded = False
+    ragged = plan.limits([ROOM] * 4, stats)
+    assert ragged[0] == ROOM and max(ragged[1:]) < ROOM
 
 
 def test_switched_off_it_leaves_every_row_its_width():

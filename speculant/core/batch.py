@@ -33,6 +33,7 @@ class BatchedTarget(ABC):
 
     keys: list[Hashable]
     compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
+    padded = True  # a verify pads every row's block to the widest (rows x widest tokens computed)
 
     def __init__(self, target) -> None:
         problem = batch_problem(target.info)

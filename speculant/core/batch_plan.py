@@ -38,10 +38,12 @@ class BatchPlan:
         self._draft_count = 0
         self.planned_plain = 0  # row-cycles planned as plain steps (stats)
         self.enabled = True  # False: every row drafts as its verifier plans, whatever the load
+        self.padded = True  # the batch pads every row to the widest (BatchedTarget.padded)
 
     # -- measurements ----------------------------------------------------------------------------
     def observe(self, rows: int, tokens: int, seconds: float, draft_seconds: Sequence[float]) -> None:
-        """One batched cycle: its rows, the tokens verified, its seconds, each drafting row's draft time."""
+        """One batched cycle: its rows, the tokens its forward computed (padding included), its
+        seconds, each drafting row's draft time."""
         self.cycles += 1
         drafted = [s for s in draft_seconds if s > 0]
         for s in drafted:
@@ -97,7 +99,28 @@ class BatchPlan:
 
     def _widths(self, gains: list[np.ndarray]) -> list[int]:
         """Each row's drafts, given ``gains[i][d - 1]``: its expected accepted tokens from ``d`` drafts."""
-        fixed, per_token = self.cost(len(gains))
+        return (self._padded_widths if self.padded else self._ragged_widths)(gains, *self.cost(len(gains)))
+
+    def _padded_widths(self, gains: list[np.ndarray], fixed: float, per_token: float) -> list[int]:
+        """A block padded to its widest row costs ``rows x widest`` tokens: one row's drafts widen
+        every row's, and the others may then draft that wide for nothing but their draft. So each
+        widest block is tried; a row drafts in it when its gain pays for its draft at the plain rate."""
+        rows = len(gains)
+        plain_rate = rows / (fixed + per_token * rows)
+        best, best_rate = [0] * rows, plain_rate
+        for width in range(2, max((g.size for g in gains), default=0) + 2):
+            limits, tokens, seconds = [0] * rows, float(rows), fixed + per_token * rows * width
+            for i, g in enumerate(gains):
+                d = min(g.size, width - 1)
+                if d and g[d - 1] > plain_rate * self.draft_s:
+                    limits[i], tokens, seconds = d, tokens + float(g[d - 1]), seconds + self.draft_s
+            if any(limits) and tokens / seconds > best_rate:
+                best, best_rate = limits, tokens / seconds
+        return best
+
+    def _ragged_widths(self, gains: list[np.ndarray], fixed: float, per_token: float) -> list[int]:
+        """Flattened rows cost their own tokens: rows are taken in order of what their drafts are
+        worth, each drafting as far as it gains more than the same seconds give at the present rate."""
         tokens, seconds = float(len(gains)), fixed + per_token * len(gains)  # every row's anchor
         limits = [0] * len(gains)
         for i in sorted(range(len(gains)), key=lambda i: -(gains[i][-1] if gains[i].size else 0.0)):

@@ -219,7 +219,10 @@ class Scheduler:
             lengths.append(length)
             news.append(new)
         self.rows.crop(lengths)
-        self.plan.observe(len(live), sum(map(len, blocks)), time.perf_counter() - cycle_start,
+        widths = [len(block) for block in blocks]
+        computed = len(widths) * max(widths) if self.rows.padded else sum(widths)
+        self.plan.padded = self.rows.padded
+        self.plan.observe(len(live), computed, time.perf_counter() - cycle_start,
                           [p.draft_s for p in proposals])
         self.batched_cycles += 1
         self.rows_verified += len(live)
