@@ -260,6 +260,12 @@ class Drafter(ABC):
         """Propose up to ``request.num_tokens`` tokens following ``request.anchor_id`` (None: nothing
         to propose, the cycle is a plain target step)."""
 
+    def propose_rows(self, drafters: Sequence["Drafter"], requests: Sequence[DraftRequest]) -> list[Draft | None]:
+        """Proposals for several sequences at once: ``drafters[i]`` (this drafter or one of its forks)
+        proposes for ``requests[i]``. The default asks each in turn; a drafter that can run every
+        row in one forward overrides it."""
+        return [d.propose(r) for d, r in zip(drafters, requests)]
+
     @property
     def fast_path(self) -> str:
         """What the draft's forwards run as (compiled, packed or transposed weights), or why eager."""
