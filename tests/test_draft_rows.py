@@ -19,9 +19,25 @@ torch = pytest.importorskip("torch")
 
 from speculant.core.interfaces import Drafter  # noqa: E402
 from speculant.drafters.dflash import torch_rows, visibility  # noqa: E402
+from speculant.testing.tiny import build_tiny_dflash  # noqa: E402
 from test_drafter_fork import load, pairs, proposed, same, solo  # noqa: E402,F401
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [40, 41, 3, 17, 90] * 3 + [8, 12], [11, 12, 13], [70, 3, 71, 4, 72, 5, 9, 9, 30, 31, 2]]
+
+
+@pytest.fixture(scope="module")
+def windowed(pairs, tmp_path_factory):
+    """``pairs`` plus DFlash drafts with windows far shorter than the prompts: a causal sliding
+    layer beside a full one, and a non-causal draft whose every layer slides (so older context
+    rows are never projected, and rows start at different positions)."""
+    target, drafter, prompts = pairs["dflash"]
+    root = tmp_path_factory.mktemp("windows")
+    mixed = build_tiny_dflash(root / "mixed", target, seed=5, block_size=8, scale=0.1, sliding_window=6,
+                              extra_config={"layer_types": ["sliding_attention", "full_attention"]})
+    sliding = build_tiny_dflash(root / "sliding", target, seed=6, block_size=8, scale=0.1, sliding_window=5,
+                                extra_config={"is_causal": False})
+    return {**pairs, "mixed windows": (target, {**drafter, "path": str(mixed)}, prompts),
+            "sliding": (target, {**drafter, "path": str(sliding)}, prompts)}
 
 
 def recordings(engine, prompts, sampled: bool) -> list[list[tuple]]:
@@ -66,9 +82,9 @@ def assert_recorded(rounds: list[list[tuple]]) -> None:
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_rows_drafted_together_equal_each_drafted_alone(pairs, kind, sampled):
-    engine, _ = load(pairs, kind, "torch")
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mixed windows", "sliding"])
+def test_rows_drafted_together_equal_each_drafted_alone(windowed, kind, sampled):
+    engine, _ = load(windowed, kind, "torch")
     calls = recordings(engine, PROMPTS, sampled)
     drafted = [[p for name, _, p in c if name == "propose"] for c in calls]
     assert all(len(d) >= 3 for d in drafted), [len(d) for d in drafted]
