@@ -82,12 +82,12 @@ def assert_recorded(rounds: list[list[tuple]]) -> None:
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mixed windows", "sliding"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mixed windows", "sliding", "lookup"])
 def test_rows_drafted_together_equal_each_drafted_alone(windowed, kind, sampled):
     engine, _ = load(windowed, kind, "torch")
     calls = recordings(engine, PROMPTS, sampled)
     drafted = [[p for name, _, p in c if name == "propose"] for c in calls]
-    assert all(len(d) >= 3 for d in drafted), [len(d) for d in drafted]
+    assert all(len(d) >= 3 for d in drafted) or kind == "lookup", [len(d) for d in drafted]  # lookup: copies
     rounds = replay_in_rows(engine, calls)
     assert_recorded(rounds)
     assert len(rounds) >= 3 and max(map(len, rounds)) == len(PROMPTS)
@@ -110,11 +110,12 @@ def test_rows_of_different_widths_each_see_their_own_block(pairs, kind):
     assert narrowed >= 3
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypatch, compiled):
-    """Every round of two or more rows is one draft forward; a compiled draft step (traced by
-    dynamo, run by its eager backend here) keeps its own buffers, so its rows go one by one."""
-    engine, _ = load(pairs, "dflash", "torch")
+@pytest.mark.parametrize(("kind", "compiled"), [("dflash", False), ("dflash", True), ("lookup", False)])
+def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypatch, kind, compiled):
+    """Every round of two or more model drafts is one draft forward (behind prompt lookup: the
+    rows left without a copy); a compiled draft step (traced by dynamo, run by its eager backend
+    here) keeps its own buffers, so its rows go one by one."""
+    engine, _ = load(pairs, kind, "torch")
     if compiled:
         monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
         engine.drafter.net.compile_step(8)
@@ -125,8 +126,8 @@ def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypat
     monkeypatch.setattr(torch_rows, "hidden_rows", lambda *a: forwards.append(len(a[0])) or real(*a))
     rounds = replay_in_rows(engine, calls)
     assert_recorded(rounds)
-    sizes = [len(rows) for rows in rounds]
-    assert forwards == ([] if compiled else [n for n in sizes if n >= 2]) and max(sizes) == len(PROMPTS)
+    modelled = [sum(have is not None and have[1] is not None for _, have, _ in rows) for rows in rounds]
+    assert forwards == ([] if compiled else [n for n in modelled if n >= 2]) and max(modelled) == len(PROMPTS)
 
 
 @pytest.mark.parametrize("broken", ["mask", "context"])
