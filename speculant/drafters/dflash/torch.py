@@ -274,11 +274,7 @@ class TorchDFlashNetwork:
     def take_in(self, features: torch.Tensor, context_start: int, reserve: int) -> None:
         """Project new context rows (positions ``context_start ..``) and cache their keys/values
         in every layer, with room for ``reserve`` block rows after them."""
-        m, dtype = self.model, self._dtype
-        ctx = m.project_context(features.to(dtype))
-        cos, sin = m.rotary.span(context_start, features.shape[0], dtype, features.device)
-        for i, layer in enumerate(m.layers):
-            self.cache.append(i, *layer.self_attn.keys_values(ctx, cos, sin), context_start, reserve=reserve)
+        take_in_rows([self], [(features, context_start)], reserve)
 
     def hidden_rows(self, nets, contexts, block_ids, positions, widths) -> torch.Tensor:
         """Several forks' blocks in one forward (torch_rows.py); eager, so never while compiled."""
@@ -308,6 +304,24 @@ class TorchDFlashNetwork:
 
     def launch(self, tokens: torch.Tensor) -> None:
         """Eager: the proposal is already computed."""
+
+
+def take_in_rows(nets, contexts, reserve: int) -> None:
+    """:meth:`TorchDFlashNetwork.take_in` for several forks of one model at once: ``contexts[r]``
+    (feature rows, position of the first) into ``nets[r]``'s cache, projected in one pass."""
+    m, dtype = nets[0].model, nets[0]._dtype
+    features = [f for f, _ in contexts]
+    spans = [m.rotary.span(start, f.shape[0], dtype, f.device) for f, start in contexts]
+    if len(contexts) == 1:
+        (features,), ((cos, sin),) = features, spans
+    else:
+        features, cos, sin = torch.cat(features), torch.cat([c for c, _ in spans]), torch.cat([s for _, s in spans])
+    ctx = m.project_context(features.to(dtype))
+    ends = torch.tensor([f.shape[0] for f, _ in contexts]).cumsum(0).tolist()
+    for i, layer in enumerate(m.layers):
+        k, v = layer.self_attn.keys_values(ctx, cos, sin)
+        for net, (_, start), end, rows in zip(nets, contexts, ends, (f.shape[0] for f, _ in contexts)):
+            net.cache.append(i, k[:, end - rows:end], v[:, end - rows:end], start, reserve=reserve)
 
 
 def allocate(like: torch.Tensor, rows: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from speculant.drafters.dflash.context import ContextCache
+from speculant.drafters.dflash.torch import take_in_rows
 from speculant.drafters.dflash.visibility import rows_keep
 
 
@@ -56,8 +57,7 @@ def hidden_rows(nets: Sequence, contexts: Sequence[tuple[torch.Tensor, int]], bl
     device = next(m.parameters()).device
     block_ids = torch.tensor(block_ids, dtype=torch.long, device=device)
     rows, q = block_ids.shape
-    for each, (features, start) in zip(nets, contexts):
-        each.take_in(features, start, reserve=0)
+    take_in_rows(nets, contexts, reserve=0)
     x = net.target.embed(block_ids.reshape(-1), raw=True).to(dtype).view(rows, q, -1)
     if net.cfg.input_embedding_scale != 1.0:
         x = x * net.cfg.input_embedding_scale
