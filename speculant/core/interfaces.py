@@ -10,19 +10,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol, Sequence
 
 from speculant.core.arrays import ArrayOps
-from speculant.core.types import (
-    Array,
-    Capture,
-    CycleTiming,
-    Draft,
-    DrafterInfo,
-    DraftRequest,
-    ForwardOutput,
-    ProposalKind,
-    SamplingParams,
-    TargetInfo,
-    Verification,
-)
+from speculant.core.types import (Array, Capture, CycleTiming, Draft, DrafterInfo, DraftRequest, ForwardOutput,
+                                  ProposalKind, SamplingParams, TargetInfo, Verification)
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -260,12 +249,6 @@ class Drafter(ABC):
         """Propose up to ``request.num_tokens`` tokens following ``request.anchor_id`` (None: nothing
         to propose, the cycle is a plain target step)."""
 
-    def propose_rows(self, drafters: Sequence["Drafter"], requests: Sequence[DraftRequest]) -> list[Draft | None]:
-        """Proposals for several sequences at once: ``drafters[i]`` (this drafter or one of its forks)
-        proposes for ``requests[i]``. The default asks each in turn; a drafter that can run every
-        row in one forward overrides it."""
-        return [d.propose(r) for d, r in zip(drafters, requests)]
-
     @property
     def fast_path(self) -> str:
         """What the draft's forwards run as (compiled, packed or transposed weights), or why eager."""
@@ -299,6 +282,12 @@ class Drafter(ABC):
         """Take in a verification: the first ``num_rows`` rows of ``output`` (anchor +
         accepted drafts) are now committed, and ``token_ids`` are the tokens that were
         emitted this cycle (accepted drafts + bonus)."""
+
+    def propose_rows(self, drafters: Sequence["Drafter"], requests: Sequence[DraftRequest]) -> list[Draft | None]:
+        """Proposals for several sequences at once: ``drafters[i]`` (this drafter or one of its
+        forks) proposes for ``requests[i]``. The default asks each in turn; a drafter that can
+        run every row in one forward overrides it."""
+        return [d.propose(r) for d, r in zip(drafters, requests)]
 
     def fork(self) -> "Drafter":
         """A drafter for another sequence: it shares this one's weights (and compiled code where
