@@ -1,8 +1,10 @@
 """Drafting several sequences: one ``propose`` per row against one ``propose_rows`` forward, on
-the shipped pair's DFlash draft (PyTorch, eager), over random target features so only the
+the shipped pair's DFlash draft (PyTorch; ``--compile auto`` packs its weights for oneDNN on a
+CPU, a compiled draft step would make ``propose_rows`` ask row by row), over random target features so only the
 drafter's own work is timed.
 
     OMP_NUM_THREADS=1 python benchmarks/draft_rows.py [--rows 1,4,16] [--calls 30] [--drafter dflash]
+        [--compile auto|off]
 
 Row r starts from a context of 96 + 37 r rows; every call commits 4 new rows to each sequence,
 then drafts each a block (the pair's default size). Both ways run interleaved on their own forks
@@ -21,6 +23,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--drafter", default="dflash")
+    parser.add_argument("--compile", default="auto")
     args = parser.parse_args()
     import torch
 
@@ -30,7 +33,7 @@ def main() -> None:
     from speculant.embedded import engine_config
 
     config = engine_config(args.drafter, "torch", lookup=False)
-    config["backend"]["compile"] = "off"
+    config["backend"]["compile"] = args.compile
     engine = speculant.load_engine(config)
     drafter = engine.drafter
     width = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
