@@ -162,9 +162,7 @@ class DFlashDrafter(Drafter):
         draft step, MLX, or a single row go one by one), each row's draft equal to its own
         :meth:`propose`: blocks as wide as the widest, each row seeing its own context and width."""
         rows = getattr(self.net, "hidden_rows", None)
-        if len(drafters) < 2 or rows is None or not all(
-                isinstance(d, DFlashDrafter) and d.net.model is self.net.model and getattr(d.net, "compiled", None) is None
-                for d in drafters):
+        if len(drafters) < 2 or rows is None or not all(map(self._eager_fork, drafters)):
             return super().propose_rows(drafters, requests)
         q = 1 + max(r.num_tokens for r in requests)
         block_ids = [[r.anchor_id] + [self.cfg.mask_token_id] * (q - 1) for r in requests]
@@ -174,6 +172,12 @@ class DFlashDrafter(Drafter):
         logits = self.logits(hidden)
         return [d._draft(r, hidden[i, :r.num_tokens], logits[i, :r.num_tokens])
                 for i, (d, r) in enumerate(zip(drafters, requests))]
+
+    def _eager_fork(self, other: Drafter) -> bool:
+        """Whether ``other`` is this drafter or a fork of it with an eager context cache (a compiled
+        step keeps its context in buffers of its own)."""
+        return isinstance(other, DFlashDrafter) and other.net.model is self.net.model and \
+            getattr(other.net, "compiled", None) is None
 
     def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:
         self._before_ahead = (list(self.pending), self.context_length, self.net.cache.mark())
