@@ -76,6 +76,17 @@ class LookupProposer(Drafter):
             return copy
         return self.inner.propose(request)
 
+    def propose_rows(self, drafters: Sequence[Drafter], requests: Sequence[DraftRequest]) -> list[Draft | None]:
+        """Each row's copy where it has one, as :meth:`propose`; the wrapped drafters propose for the
+        other rows together (one forward where they can)."""
+        drafts = [d.propose_free(r) for d, r in zip(drafters, requests)]
+        asking = [i for i, draft in enumerate(drafts) if draft is None and drafters[i].inner is not None]
+        if asking:
+            drafted = self.inner.propose_rows([drafters[i].inner for i in asking], [requests[i] for i in asking])
+            for i, draft in zip(asking, drafted):
+                drafts[i] = draft
+        return drafts
+
     def commit(self, output: ForwardOutput, num_rows: int, token_ids: Sequence[int]) -> None:
         self.index.extend(token_ids)
         if self.inner is not None:

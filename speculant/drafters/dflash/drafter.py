@@ -51,6 +51,10 @@ class DFlashNetwork(Protocol):
     def launch(self, tokens: Array) -> None:
         """Start computing ``tokens`` and the cache writes without waiting (lazy backends)."""
 
+    # optional: ``hidden_rows(nets, contexts, block_ids, positions, widths)`` -> [rows, q - 1, H],
+    # several forks' :meth:`hidden` in one forward (block_ids: host lists, one per row, all q long;
+    # row r's rows past ``widths[r]`` are filler). A network without it drafts rows one by one.
+
 
 class DFlashDrafter(Drafter):
     """Drafter protocol over a :class:`DFlashNetwork`; one sequence at a time (:meth:`fork` for more)."""
@@ -144,10 +148,36 @@ class DFlashDrafter(Drafter):
         return logits
 
     def propose(self, request: DraftRequest, anchor: Array | None = None) -> Draft:
-        logits = self.logits(self.hidden(request, anchor))
+        hidden = self.hidden(request, anchor)
+        return self._draft(request, hidden, self.logits(hidden))
+
+    def _draft(self, request: DraftRequest, hidden: Array, logits: Array) -> Draft:
+        """The proposal from the block's draft hidden rows and logits ([k, H], [k, V])."""
         tokens = self.ops.argmax(logits)
         self.net.launch(tokens)
         return Draft(token_ids=tokens, num_tokens=request.num_tokens, logits=logits)
+
+    def propose_rows(self, drafters: Sequence[Drafter], requests: Sequence[DraftRequest]) -> list[Draft | None]:
+        """Every row's block in one draft forward where the network can (eager PyTorch; a compiled
+        draft step, MLX, or a single row go one by one), each row's draft equal to its own
+        :meth:`propose`: blocks as wide as the widest, each row seeing its own context and width."""
+        rows = getattr(self.net, "hidden_rows", None)
+        if len(drafters) < 2 or rows is None or not all(map(self._eager_fork, drafters)):
+            return super().propose_rows(drafters, requests)
+        q = 1 + max(r.num_tokens for r in requests)
+        block_ids = [[r.anchor_id] + [self.cfg.mask_token_id] * (q - 1) for r in requests]
+        contexts = [d._take_context() for d in drafters]
+        hidden = rows([d.net for d in drafters], contexts, block_ids, [r.position for r in requests],
+                      [r.num_tokens for r in requests])
+        logits = self.logits(hidden)
+        return [d._draft(r, hidden[i, :r.num_tokens], logits[i, :r.num_tokens])
+                for i, (d, r) in enumerate(zip(drafters, requests))]
+
+    def _eager_fork(self, other: Drafter) -> bool:
+        """Whether ``other`` is this drafter or a fork of it with an eager context cache (a compiled
+        step keeps its context in buffers of its own)."""
+        return isinstance(other, DFlashDrafter) and other.net.model is self.net.model and \
+            getattr(other.net, "compiled", None) is None
 
     def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:
         self._before_ahead = (list(self.pending), self.context_length, self.net.cache.mark())

@@ -73,7 +73,7 @@ class Rotary(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to ``x`` [heads, n, hd] with tables [n, hd] (NeoX half rotation)."""
+    """Apply RoPE to ``x`` [..., heads, n, hd] with tables [n, hd] (or [..., 1, n, hd]; NeoX half rotation)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -93,28 +93,27 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated keys and values [kv_heads, n, hd] for rows ``x`` [n, H]."""
-        n = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        """Rotated keys and values [..., kv_heads, n, hd] for rows ``x`` [..., n, H]."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))).transpose(-3, -2)
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(-3, -2)
         return rotate(k, cos, sin), v
 
     def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
-        """``context`` (:class:`ContextRows` or a ``ContextCache`` slot) puts the block's keys
-        and values after the context's."""
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)).transpose(0, 1)
+        """``x`` [n, H], or [rows, n, H] for several sequences (torch_rows.py). ``context``
+        (:class:`ContextRows`, a ``ContextCache`` slot or padded rows) puts the block's keys and
+        values after the context's."""
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))).transpose(-3, -2)
         q = rotate(q, cos, sin)
         k, v = context.join(*self.keys_values(x, cos, sin))
         groups = self.heads // self.kv_heads
         if groups > 1:
-            k = k.repeat_interleave(groups, dim=0)
-            v = v.repeat_interleave(groups, dim=0)
+            k = k.repeat_interleave(groups, dim=-3)
+            v = v.repeat_interleave(groups, dim=-3)
         # one dtype for all three: under bf16 autocast rotated q/k come out float32 while v is
         # bf16, and autocast does not reach into torch.func.vmap (DFlash2's blockwise training)
         out = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask,
                                              scale=1.0 / math.sqrt(self.head_dim))
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+        return self.o_proj(out.transpose(-3, -2).flatten(-2))
 
 
 class MLP(nn.Module):
@@ -253,7 +252,7 @@ class TorchDFlashNetwork:
     @torch.inference_mode()
     def hidden(self, features: torch.Tensor, context_start: int, block_ids: torch.Tensor, position: int) -> torch.Tensor:
         m, cfg, cache = self.model, self.cfg, self.cache
-        n_ctx, q_len = features.shape[0], block_ids.shape[0]
+        q_len = block_ids.shape[0]
         device, dtype = features.device, self._dtype
         x = self.target.embed(block_ids, raw=True).to(dtype)  # table rows, as the reference feeds them
         if cfg.input_embedding_scale != 1.0:
@@ -265,15 +264,23 @@ class TorchDFlashNetwork:
             except Exception as exc:  # noqa: BLE001 -- e.g. recompiling for a grown cache failed: eager is exact
                 self._fall_back_to_eager(exc, context_start)
                 cache = self.cache
-        ctx = m.project_context(features.to(dtype))
-        ctx_cos, ctx_sin = m.rotary.span(context_start, n_ctx, dtype, device)
+        self.take_in(features, context_start, reserve=q_len)
         cos, sin = m.rotary.span(position, q_len, dtype, device)
         for i, layer in enumerate(m.layers):
-            ck, cv = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-            cache.append(i, ck, cv, context_start, reserve=q_len)
             mask = attention_mask(cache.starts[i], cache.length(i), position, q_len, layer.causal, layer.window, device)
             x = layer(x, cos, sin, cache.slot(i), mask)
         return m.norm(x[1:])
+
+    def take_in(self, features: torch.Tensor, context_start: int, reserve: int) -> None:
+        """Project new context rows (positions ``context_start ..``) and cache their keys/values
+        in every layer, with room for ``reserve`` block rows after them."""
+        take_in_rows([self], [(features, context_start)], reserve)
+
+    def hidden_rows(self, nets, contexts, block_ids, positions, widths) -> torch.Tensor:
+        """Several forks' blocks in one forward (torch_rows.py); eager, so never while compiled."""
+        from speculant.drafters.dflash.torch_rows import hidden_rows
+
+        return hidden_rows(nets, contexts, block_ids, positions, widths)
 
     def _fall_back_to_eager(self, exc: Exception, committed: int) -> None:
         """Go on eagerly, for this engine's life, from the context rows the compiled step holds:
@@ -297,6 +304,24 @@ class TorchDFlashNetwork:
 
     def launch(self, tokens: torch.Tensor) -> None:
         """Eager: the proposal is already computed."""
+
+
+def take_in_rows(nets, contexts, reserve: int) -> None:
+    """:meth:`TorchDFlashNetwork.take_in` for several forks of one model at once: ``contexts[r]``
+    (feature rows, position of the first) into ``nets[r]``'s cache, projected in one pass."""
+    m, dtype = nets[0].model, nets[0]._dtype
+    features = [f for f, _ in contexts]
+    spans = [m.rotary.span(start, f.shape[0], dtype, f.device) for f, start in contexts]
+    if len(contexts) == 1:
+        (features,), ((cos, sin),) = features, spans
+    else:
+        features, cos, sin = torch.cat(features), torch.cat([c for c, _ in spans]), torch.cat([s for _, s in spans])
+    ctx = m.project_context(features.to(dtype))
+    ends = torch.tensor([f.shape[0] for f, _ in contexts]).cumsum(0).tolist()
+    for i, layer in enumerate(m.layers):
+        k, v = layer.self_attn.keys_values(ctx, cos, sin)
+        for net, (_, start), end, rows in zip(nets, contexts, ends, (f.shape[0] for f, _ in contexts)):
+            net.cache.append(i, k[:, end - rows:end], v[:, end - rows:end], start, reserve=reserve)
 
 
 def allocate(like: torch.Tensor, rows: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def keep_by_distance(keep, rel, causal: bool, window: int | None):
     """``keep`` narrowed to the keys a query sees, from ``rel`` = query - key positions (torch or mlx
@@ -22,3 +24,23 @@ def every_key_visible(ctx_start: int, block_start: int, block_length: int, causa
     if causal:
         return False
     return window is None or (block_start + block_length - 1 - ctx_start < window and block_length <= window)
+
+
+def rows_keep(ctx_starts, ctx_lengths, positions, widths, q_len: int, causal: bool, window: int | None) -> np.ndarray:
+    """Boolean keep-mask [rows, q_len, N + q_len] for several sequences' blocks drafted in one forward.
+
+    Row ``r`` holds its own context keys (positions ``ctx_starts[r] ..``, ``ctx_lengths[r]`` of
+    them) left-aligned in N = max(ctx_lengths) slots, the rest padding, then its block (queries
+    and keys at ``positions[r] ..``). A row drafting ``widths[r]`` tokens sees only block rows
+    ``0 .. widths[r]``, so it attends as its own narrower block would; the rows past that are cut
+    from its draft, but each still sees itself, so no query is left with no key (NaN)."""
+    starts, lengths = np.asarray(ctx_starts)[:, None], np.asarray(ctx_lengths)[:, None]
+    positions, widths = np.asarray(positions)[:, None], np.asarray(widths)[:, None]
+    n, j = int(lengths.max()), np.arange(q_len)
+    queries = positions + j  # [R, q]
+    keys = np.concatenate([starts + np.arange(n), queries], axis=1)  # [R, N + q]
+    present = np.concatenate([np.arange(n) < lengths, j <= widths], axis=1)
+    rel = queries[:, :, None] - keys[:, None, :]  # query - key
+    keep = keep_by_distance(np.broadcast_to(present[:, None, :], rel.shape).copy(), rel, causal, window)
+    keep[:, j, n + j] = True
+    return keep

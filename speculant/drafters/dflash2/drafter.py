@@ -37,10 +37,10 @@ class DFlash2Drafter(DFlashDrafter):
     def propose_ahead(self, output, anchor, request) -> None:
         return None  # the path selector reads the anchor token on the host
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def _draft(self, request: DraftRequest, hidden: Array, logits: Array) -> Draft:
+        """The selector's path over the block's draft rows (the path walk and its uniforms are each
+        row's own, so :meth:`propose_rows` keeps every request's sampling and rng)."""
         k = request.num_tokens
-        hidden = self.hidden(request)
-        logits = self.logits(hidden)
         flat, candidates = self.net.score_table(hidden, logits, request.anchor_id)
         path = walk(ScoreTable.from_flat(flat, k, self.cfg.selector_top_k), request.sampling, request.rng)
         tokens = self.backend.int_array(path.token_ids)

@@ -37,9 +37,10 @@ class GroupedDynamicConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Side-0 convolution of ``x`` [n, H]; returns it and the side-1 taps [n, K, G]."""
-        dynamic = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, self.groups)
-        return self._convolve(x, dynamic[:, 0], self.base_kernel[0]), dynamic[:, 1]
+        """Side-0 convolution of ``x`` [..., n, H] (a block, or one per row); returns it and the
+        side-1 taps [..., n, K, G]."""
+        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.groups))
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
         """Side-1 convolution of the sublayer output with the taps from :meth:`prepare`."""
@@ -48,14 +49,15 @@ class GroupedDynamicConv(nn.Module):
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         # Same accumulation order as the reference (base term, then the correction), so float32
         # results match it bit for bit; rows before the anchor contribute exact zeros, skipped.
-        n = x.shape[0]
-        rows = x.view(n, self.groups, self.group_size)
+        n = x.shape[-2]
+        rows = x.unflatten(-1, (self.groups, self.group_size))  # [..., n, G, g]
         kernel = base.to(x.dtype).view(self.kernel_size, self.groups, self.group_size)
-        out = torch.addcmul(kernel[0] * rows, dynamic[:, 0, :, None], rows)
+        out = torch.addcmul(kernel[0] * rows, dynamic[..., 0, :, None], rows)
         for tap in range(1, min(self.kernel_size, n)):
-            earlier = rows[: n - tap]
-            out[tap:] = torch.addcmul(out[tap:] + kernel[tap] * earlier, dynamic[tap:, tap, :, None], earlier)
-        return out.view_as(x)
+            earlier = rows[..., : n - tap, :, :]
+            out[..., tap:, :, :] = torch.addcmul(out[..., tap:, :, :] + kernel[tap] * earlier,
+                                                 dynamic[..., tap:, tap, :, None], earlier)
+        return out.flatten(-2)
 
 
 class DFlash2DecoderLayer(DecoderLayer):

@@ -1,0 +1,147 @@
+"""``Drafter.propose_rows``: several sequences' DFlash / DFlash2 blocks in one draft forward.
+
+Four prompts are each run alone through the engine with every drafter call recorded (the helpers
+of test_drafter_fork.py). The recordings are then replayed into the engine's drafter and three
+forks in lockstep: each row takes in its commits up to its next proposal, and the rows that
+propose are asked together through ``propose_rows``. The rows sit at different context lengths
+and commit different accepted counts, and draft different widths; each must propose exactly what
+it proposed alone (token ids, and logits to float32 rounding), greedy and sampled (each row's
+recorded rng)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculant.core.interfaces import Drafter  # noqa: E402
+from speculant.drafters.dflash import torch_rows, visibility  # noqa: E402
+from speculant.testing.tiny import build_tiny_dflash  # noqa: E402
+from test_drafter_fork import load, pairs, proposed, same, solo  # noqa: E402,F401
+
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [40, 41, 3, 17, 90] * 3 + [8, 12], [11, 12, 13], [70, 3, 71, 4, 72, 5, 9, 9, 30, 31, 2]]
+
+
+@pytest.fixture(scope="module")
+def windowed(pairs, tmp_path_factory):
+    """``pairs`` plus DFlash drafts with windows far shorter than the prompts: a causal sliding
+    layer beside a full one, and a non-causal draft whose every layer slides (so older context
+    rows are never projected, and rows start at different positions)."""
+    target, drafter, prompts = pairs["dflash"]
+    root = tmp_path_factory.mktemp("windows")
+    mixed = build_tiny_dflash(root / "mixed", target, seed=5, block_size=8, scale=0.1, sliding_window=6,
+                              extra_config={"layer_types": ["sliding_attention", "full_attention"]})
+    sliding = build_tiny_dflash(root / "sliding", target, seed=6, block_size=8, scale=0.1, sliding_window=5,
+                                extra_config={"is_causal": False})
+    return {**pairs, "mixed windows": (target, {**drafter, "path": str(mixed)}, prompts),
+            "sliding": (target, {**drafter, "path": str(sliding)}, prompts)}
+
+
+def recordings(engine, prompts, sampled: bool) -> list[list[tuple]]:
+    if sampled:
+        engine.run = functools.partial(engine.run, temperature=0.9, seed=11)
+    return [solo(engine, prompt) for prompt in prompts]
+
+
+def replay_in_rows(engine, calls: list[list[tuple]], ask=None, narrower: bool = False) -> list[list[tuple]]:
+    """Replay every recording into its own fork (the engine's drafter for the first), the
+    proposals of each round through one ``ask(drafters, requests)`` (default: the engine
+    drafter's ``propose_rows``). ``narrower``: odd rows ask for one token fewer than they did.
+    Returns each round's (row, proposed, recorded) triples."""
+    ops, ask = engine.backend.ops, ask or engine.drafter.propose_rows
+    drafters = [engine.drafter] + [engine.drafter.fork() for _ in calls[1:]]
+    at, rounds = [0] * len(calls), []
+    while True:
+        asking = []
+        for r, recorded in enumerate(calls):
+            while at[r] < len(recorded) and recorded[at[r]][0] != "propose":
+                name, args, _ = recorded[at[r]]
+                getattr(drafters[r], name)(*copy.deepcopy(args))
+                at[r] += 1
+            if at[r] < len(recorded):
+                asking.append(r)
+        if not asking:
+            return rounds
+        requests = [copy.deepcopy(calls[r][at[r]][1][0]) for r in asking]
+        for r, request in zip(asking, requests):
+            if narrower and r % 2 and request.num_tokens > 1:
+                request.num_tokens -= 1
+        got = ask([drafters[r] for r in asking], requests)
+        rounds.append([(r, proposed(ops, draft), calls[r][at[r]][2]) for r, draft in zip(asking, got)])
+        for r in asking:
+            at[r] += 1
+
+
+def assert_recorded(rounds: list[list[tuple]]) -> None:
+    for i, rows in enumerate(rounds):
+        for r, have, want in rows:
+            assert same(have, want), f"round {i} row {r}: {have[0]} != {want[0]}"
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mixed windows", "sliding", "lookup"])
+def test_rows_drafted_together_equal_each_drafted_alone(windowed, kind, sampled):
+    engine, _ = load(windowed, kind, "torch")
+    calls = recordings(engine, PROMPTS, sampled)
+    drafted = [[p for name, _, p in c if name == "propose"] for c in calls]
+    assert all(len(d) >= 3 for d in drafted) or kind == "lookup", [len(d) for d in drafted]  # lookup: copies
+    rounds = replay_in_rows(engine, calls)
+    assert_recorded(rounds)
+    assert len(rounds) >= 3 and max(map(len, rounds)) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_rows_of_different_widths_each_see_their_own_block(pairs, kind):
+    """Odd rows ask for one token fewer than the block the others draft: each row's draft equals
+    its own ``propose`` (asked one by one, Drafter's default)."""
+    engine, _ = load(pairs, kind, "torch")
+    calls = recordings(engine, PROMPTS, sampled=False)
+    together = replay_in_rows(engine, calls, narrower=True)
+    alone = replay_in_rows(engine, calls, lambda ds, rs: Drafter.propose_rows(ds[0], ds, rs), narrower=True)
+    assert [[r for r, _, _ in rows] for rows in together] == [[r for r, _, _ in rows] for rows in alone]
+    narrowed = 0
+    for i, (rows, solo_rows) in enumerate(zip(together, alone)):
+        for (r, have, recorded), (_, want, _) in zip(rows, solo_rows):
+            assert same(have, want), f"round {i} row {r}: {have[0]} != {want[0]}"
+            narrowed += len(have[0]) < len(recorded[0])
+    assert narrowed >= 3
+
+
+@pytest.mark.parametrize(("kind", "compiled"), [("dflash", False), ("dflash", True), ("lookup", False)])
+def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypatch, kind, compiled):
+    """Every round of two or more model drafts is one draft forward (behind prompt lookup: the
+    rows left without a copy); a compiled draft step (traced by dynamo, run by its eager backend
+    here) keeps its own buffers, so its rows go one by one."""
+    engine, _ = load(pairs, kind, "torch")
+    if compiled:
+        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+        engine.drafter.net.compile_step(8)
+        assert engine.drafter.net.compiled is not None, engine.drafter.fast_path
+    calls = recordings(engine, PROMPTS, sampled=False)
+    forwards = []
+    real = torch_rows.hidden_rows
+    monkeypatch.setattr(torch_rows, "hidden_rows", lambda *a: forwards.append(len(a[0])) or real(*a))
+    rounds = replay_in_rows(engine, calls)
+    assert_recorded(rounds)
+    modelled = [sum(have is not None and have[1] is not None for _, have, _ in rows) for rows in rounds]
+    assert forwards == ([] if compiled else [n for n in modelled if n >= 2]) and max(modelled) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("broken", ["mask", "context"])
+def test_a_row_reading_another_rows_context_is_caught(pairs, monkeypatch, broken):
+    """The check above fails when the mask lets a row see padding and other rows' slots, or when
+    every row is given the first row's context: the rows must not mix."""
+    engine, _ = load(pairs, "dflash", "torch")
+    calls = recordings(engine, PROMPTS, sampled=False)
+    if broken == "mask":
+        real = visibility.rows_keep
+        monkeypatch.setattr(torch_rows, "rows_keep", lambda *a: real(*a) | True)
+    else:
+        real_init = torch_rows.PaddedRows.__init__
+        monkeypatch.setattr(torch_rows.PaddedRows, "__init__",
+                            lambda self, caches, layer: real_init(self, [caches[0]] * len(caches), layer))
+    with pytest.raises(AssertionError, match="round"):
+        assert_recorded(replay_in_rows(engine, calls))
