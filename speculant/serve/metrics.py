@@ -37,7 +37,8 @@ class ServerMetrics:
         self.queue_depth = Gauge("speculant_queue_depth", "Requests waiting for the engine", registry=r)
         self.prompt_tokens = Counter("speculant_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated_tokens = Counter("speculant_generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("speculant_time_to_first_token_seconds", "Time to first token from the request's arrival (queue wait included)",
+        self.ttft = Histogram("speculant_time_to_first_token_seconds",
+                              "Time to first token from the request's arrival (queue wait included)",
                               registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.decode_rate = Histogram("speculant_decode_tokens_per_second", "Decode tokens/s per request", registry=r,
                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000))
@@ -54,8 +55,8 @@ class ServerMetrics:
         self.batch_size = Gauge("speculant_batch_size", "Requests in the scheduler (verified together)", registry=r)
         self.batch_size_max = Gauge("speculant_batch_size_max", "Most requests in the scheduler at once so far",
                                     registry=r)
-        self.batched_cycles = Counter("speculant_batched_cycles", "Cycles that verified requests in one batched forward",
-                                      registry=r)
+        self.batched_cycles = Counter("speculant_batched_cycles",
+                                      "Cycles that verified requests in one batched forward", registry=r)
         self.request_acceptance = Histogram("speculant_request_acceptance_length",
                                             "Each request's mean tokens emitted per verify step", registry=r,
                                             buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16))
