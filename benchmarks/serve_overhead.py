@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
     args = parser.parse_args()
     # Two processes on the same cores: OpenMP threads that spin after a forward would steal the
     # other process's time, so both wait passively.
@@ -122,14 +123,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     engine = load_engine(embedded.engine_config(backend="torch"))
-    with server_process(args.threads) as url:
+    with server_process(args.threads, args.max_batch) as url:
         overhead(engine, url, args.repeats, args.max_new_tokens)
         for clients in (1, 4, 16):
             load(url, clients, max(1, 16 // clients), args.max_new_tokens)
 
 
 @contextlib.contextmanager
-def server_process(threads: int):
+def server_process(threads: int, max_batch: int | None = None):
     import httpx
 
     with socket.socket() as s:
@@ -137,7 +138,8 @@ def server_process(threads: int):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--port", str(port), "--backend", "torch",
-                             "--max-queue", "64"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--max-queue", "64", *([] if max_batch is None else ["--max-batch", str(max_batch)])],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -42,11 +42,11 @@ class WatchedEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, **kwargs):
+    def request(self, prompt_ids, max_new_tokens=None, **kwargs):
         for key, value in kwargs.items():
             if isinstance(value, float) and not math.isfinite(value):
                 self.non_finite.append((key, value))
-        return self.engine.generate(**kwargs)
+        return self.engine.request(prompt_ids, max_new_tokens, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -194,6 +194,15 @@ class Engine:
             text = "".join(c.text for c in generation)
         return GenerationResult(text, generation.token_ids, generation.stats)
 
+    def request(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None, *,
+                cancel: threading.Event | None = None, **overrides: Any) -> Request:
+        """One request for a :class:`~speculant.core.scheduler.Scheduler` of this engine (a
+        server adds them as clients arrive): the prompt and settings checked as :meth:`generate`
+        checks them (a bad one raises SettingError naming it); setting ``cancel`` ends it."""
+        ids = self._prompt_ids(None, prompt_ids)
+        sampling, generation, block = self._settings(max_new_tokens, dict(overrides))
+        return Request(Loop(self, ids, sampling, generation, block, cancel), generation.stop_strings)
+
     # -- internals -------------------------------------------------------------------------
     def _check_idle(self) -> None:
         if self._busy.locked():

@@ -1,7 +1,7 @@
 """``speculant serve``: an OpenAI-compatible HTTP server over one engine (needs the [serve] extra).
 
-One engine decodes one request at a time; others wait in a bounded FIFO queue. For more
-throughput run more server processes (each loads its own copy of the weights) behind a proxy.
+One engine verifies up to ``max_batch`` requests together in one target forward a cycle
+(``speculant.core.scheduler``); others wait in a bounded FIFO queue.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_MAX_BATCH = 8  # requests verified together (--max-batch); to be set from the serving benchmark
 
 
 def create_app(engine: Any, **options: Any):

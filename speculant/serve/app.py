@@ -19,6 +19,7 @@ from speculant.serve.metrics import CONTENT_TYPE, ServerMetrics, speculative_sta
 from speculant.serve.responses import Shape, finish_reason, sse, usage
 from speculant.serve.prompt import PromptReader
 from speculant.serve.schemas import CLIENT_LEFT, ApiError, ChatRequest, CompletionRequest, client_left, parse, read_json
+from speculant.serve import DEFAULT_MAX_BATCH
 from speculant.serve.worker import Done, Failed, Job, Worker
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
@@ -26,8 +27,11 @@ BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this
 
 
 def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | None = None, max_queue: int = 64,
-               timeout: float = 600.0, max_body_bytes: int = 1 << 20, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
-    """An app serving ``engine`` (loaded once) under the model name ``model_name``."""
+               timeout: float = 600.0, max_body_bytes: int = 1 << 20, body_timeout: float = BODY_TIMEOUT_S,
+               max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
+    """An app serving ``engine`` (loaded once) under the model name ``model_name``; up to
+    ``max_batch`` requests are verified together."""
+    check_max_batch(max_batch, "max_batch")
     if api_key is not None:
         check_api_key(api_key, "api_key")
     for name, seconds in (("timeout", timeout), ("body_timeout", body_timeout)):
@@ -35,7 +39,8 @@ def create_app(engine: Any, *, model_name: str = "speculant", api_key: str | Non
             raise ValueError(f"{name} must be a finite number of seconds > 0, not {seconds!r}")
     metrics = ServerMetrics()
     worker = Worker(engine, max_queue, timeout, metrics.queue_depth.set,
-                    on_finish=lambda stats: metrics.record(stats, engine.speculative))
+                    on_finish=lambda stats: metrics.record(stats, engine.speculative), max_batch=max_batch,
+                    on_cycle=metrics.cycle)
     server = _Server(engine, model_name, metrics, worker, max_body_bytes, body_timeout)
 
     @contextlib.asynccontextmanager
@@ -93,6 +98,13 @@ def check_api_key(key: str, source: str) -> str:
     if not (key.isascii() and key.isprintable()):
         raise ValueError(f"{source} must be printable ASCII (an HTTP header carries it)")
     return key
+
+
+def check_max_batch(value: Any, source: str) -> int:
+    """``value`` if it is a whole number of requests, at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source} {value!r}: give a whole number of requests, at least 1 (1: one at a time)")
+    return value
 
 
 class BearerAuth:

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from speculant.serve import DEFAULT_HOST, DEFAULT_PORT
+from speculant.serve import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_PORT
 
 
 def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -22,6 +22,9 @@ def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.
     serve.add_argument("--model-name", default="speculant", metavar="NAME", help="the model id clients pass")
     serve.add_argument("--max-queue", type=int, default=64, metavar="N",
                        help="requests that may wait for the engine; more get 429 (default 64)")
+    serve.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+                       help=f"requests verified together in one target forward a cycle (default {DEFAULT_MAX_BATCH}; "
+                            "1: one at a time)")
     serve.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request limit in seconds")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="request body limit")
     add_override_flags(serve)
@@ -61,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shown = f"[{args.host}]" if ":" in args.host else args.host
         print(f"speculant: serving {args.model_name!r} on http://{shown}:{args.port}/v1", file=sys.stderr)
         run(engine, sock=sock, model_name=args.model_name, api_key=api_key, max_queue=args.max_queue,
-            timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+            timeout=args.timeout, max_body_bytes=args.max_body_bytes, max_batch=args.max_batch)
     finally:
         sock.close()
     return 0
@@ -70,6 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _check_limits(args: argparse.Namespace, error: type[Exception]) -> None:
     if args.max_queue < 0:
         raise error(f"--max-queue {args.max_queue}: give 0 or more")
+    if args.max_batch < 1:
+        raise error(f"--max-batch {args.max_batch}: give 1 or more (1: one request at a time)")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise error(f"--timeout {args.timeout}: give a finite number of seconds > 0")
     if args.max_body_bytes <= 0:

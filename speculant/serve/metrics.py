@@ -37,7 +37,8 @@ class ServerMetrics:
         self.queue_depth = Gauge("speculant_queue_depth", "Requests waiting for the engine", registry=r)
         self.prompt_tokens = Counter("speculant_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated_tokens = Counter("speculant_generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("speculant_time_to_first_token_seconds", "Time to first token (engine side)",
+        self.ttft = Histogram("speculant_time_to_first_token_seconds",
+                              "Time to first token from the request's arrival (queue wait included)",
                               registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.decode_rate = Histogram("speculant_decode_tokens_per_second", "Decode tokens/s per request", registry=r,
                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000))
@@ -51,6 +52,15 @@ class ServerMetrics:
         self.cached_tokens = Counter("speculant_prefix_cache_cached_tokens",
                                      "Prompt tokens restored from the prefix cache instead of prefilled", registry=r)
         self.prefix_bytes = Gauge("speculant_prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
+        self.batch_size = Gauge("speculant_batch_size", "Requests in the scheduler (verified together)", registry=r)
+        self.batch_size_max = Gauge("speculant_batch_size_max", "Most requests in the scheduler at once so far",
+                                    registry=r)
+        self.batched_cycles = Counter("speculant_batched_cycles",
+                                      "Cycles that verified requests in one batched forward", registry=r)
+        self.request_acceptance = Histogram("speculant_request_acceptance_length",
+                                            "Each request's mean tokens emitted per verify step", registry=r,
+                                            buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16))
+        self._cycles_seen = self._max_live = 0
         self.plain_fallbacks = Counter("speculant_plain_fallback_requests",
                                        "Requests of a speculative engine that verified no proposal at all", registry=r)
 
@@ -67,6 +77,8 @@ class ServerMetrics:
             self.ttft.observe(stats.ttft_s)
         if stats.new_tokens > 1:
             self.decode_rate.observe(stats.decode_tokens_per_s)
+        if stats.verify_steps:
+            self.request_acceptance.observe(stats.mean_acceptance_length)
         for length in stats.acceptance_lengths:
             self.acceptance.observe(length)
         self.drafted.inc(extra["drafted_tokens"])
@@ -74,6 +86,16 @@ class ServerMetrics:
         self.plain_steps.inc(extra["plain_steps"])
         if speculative and stats.verify_steps and not extra["drafted_tokens"]:
             self.plain_fallbacks.inc()
+
+    def cycle(self, live: int, batched_cycles: int) -> None:
+        """The scheduler's state after a chunk (engine thread): its requests, its batched cycles so far."""
+        self.batch_size.set(live)
+        if live > self._max_live:
+            self._max_live = live
+            self.batch_size_max.set(live)
+        if batched_cycles > self._cycles_seen:
+            self.batched_cycles.inc(batched_cycles - self._cycles_seen)
+            self._cycles_seen = batched_cycles
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
