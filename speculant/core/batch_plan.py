@@ -21,7 +21,7 @@ import numpy as np
 from speculant.core.metrics import GenerationStats
 
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
-EXPLORE_EVERY = 16  # every this many cycles every row drafts its full width, so the cost keeps being measured
+EXPLORE_EVERY = 64  # every this many cycles one row drafts its full width (and joins, one starts its drafter)
 OWN_CYCLES = 2  # a request's first drafting cycles are in full, to measure its own acceptance
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
 
@@ -37,6 +37,7 @@ class BatchPlan:
         self.draft_s = 0.0  # one row's draft time (running mean over drafting rows)
         self._draft_count = 0
         self.planned_plain = 0  # row-cycles planned as plain steps (stats)
+        self.joins = 0  # requests that joined a batch
         self.enabled = True  # False: every row drafts as its verifier plans, whatever the load
         self.padded = True  # the batch pads every row to the widest (BatchedTarget.padded)
 

@@ -81,7 +81,6 @@ class Scheduler:
         self._drafters = [] if engine.drafter is None else [engine.drafter]  # free per-sequence states
         self._verifiers = [engine.verifier]
         self.plan = engine.batch_plan  # the batched forward's cost and each row's width
-        self._joins = 0
         self.batched_cycles = 0
         self.rows_verified = 0  # requests verified over those cycles
 
@@ -247,8 +246,8 @@ class Scheduler:
     def _worth_drafting(self, loop: "Loop") -> bool:
         """Whether a joining request starts its drafter; every ``EXPLORE_EVERY``-th one does anyway,
         so the pooled acceptance keeps being measured at this load."""
-        self._joins += 1
-        return self._joins % EXPLORE_EVERY == 0 or self.plan.drafting_pays(len(self.live) - 1, loop._room(loop.position))
+        self.plan.joins += 1
+        return self.plan.joins % EXPLORE_EVERY == 0 or self.plan.drafting_pays(len(self.live) - 1, loop._room(loop.position))
 
     def _limits(self, live: list[Request]) -> list[int | None]:
         """Each row's most drafts this cycle, from the cost model (None: as the verifier plans)."""
