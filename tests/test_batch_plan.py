@@ -86,6 +86,19 @@ def test_a_padded_block_lets_every_row_draft_as_wide_as_the_widest():
     assert ragged[0] == ROOM and max(ragged[1:]) < ROOM
 
 
+def test_a_forward_cheaper_per_token_when_wider_is_read_as_measured():
+    """Seconds grow like tokens ** 0.6 (wide products run faster per token): the plan reads the
+    measured points, and rows whose drafts were accepted as deep as they went draft in full."""
+    plan = BatchPlan()
+    for tokens in (16, 64, 256, 16, 64, 256):
+        plan.observe(16, tokens, 0.002 * tokens ** 0.6, [])
+    plan.cycles = WARM_UP + 1
+    assert plan.seconds(16, 256) == pytest.approx(0.002 * 256 ** 0.6)
+    assert plan.seconds(16, 128) < 0.002 * 128 ** 0.6 * 1.2
+    narrow = [history(3, width=3)] * 16  # always accepted, never tried deeper than 3
+    assert plan.limits([15] * 16, narrow) == [15] * 16
+
+
 def test_switched_off_it_leaves_every_row_its_width():
     plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
     plan.enabled = False

@@ -1,8 +1,9 @@
 """How many drafts each batched request verifies this cycle (issue #39; docs/batching.md).
 
 A batched forward's cost depends on the tokens of every row together, not on one request: it is
-modelled as ``seconds = fixed + per_token * tokens`` (least squares over recent cycles with the
-same number of rows), plus each drafting row's draft time. A request's draft position ``j`` is
+read off the measured (tokens computed, seconds) of recent cycles, interpolated between them (a
+fitted ``fixed + per_token * tokens`` line while too few are known), plus each drafting row's
+draft time. A request's draft position ``j`` is
 worth its chance of being accepted, ``P(drafts 1..j accepted)``, read from the request's own
 verified cycles, pooled with every request's so far while it has few. A row drafts ``d`` tokens
 when what they are expected to add beats what the same seconds give at the batch's present rate
@@ -71,6 +72,25 @@ class BatchPlan:
         # no spread of widths to tell them apart: all cost per token, the cautious reading
         return 0.0, float(np.median(seconds / np.maximum(tokens, 1)))
 
+    def seconds(self, rows: int, tokens: float) -> float:
+        """A forward's seconds over ``tokens`` computed tokens: interpolated between the measured
+        ones (rarely a straight line: wider matrix products run faster per token), extended
+        along the last segment past them; the fitted line while fewer than two are known."""
+        same = [(t, s) for r, t, s in self.samples if r == rows]
+        data = same if len({t for t, _ in same}) >= 2 else [(t, s) for _, t, s in self.samples]
+        xs = sorted({t for t, _ in data})
+        if len(xs) < 2:
+            fixed, per_token = self.cost(rows)
+            return fixed + per_token * tokens
+        ys = np.maximum.accumulate([float(np.median([s for t, s in data if t == x])) for x in xs])
+        if tokens < xs[0]:  # along the first segment, never below the cost per token measured there
+            slope = max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))
+            return float(max(ys[0] - slope * (xs[0] - tokens), ys[0] * tokens / xs[0]))
+        if tokens <= xs[-1]:
+            return float(np.interp(tokens, xs, ys))
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        return float(ys[-1] + slope * (tokens - xs[-1]))
+
     # -- the plan ----------------------------------------------------------------------------------
     def limits(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> list[int]:
         """Drafts each row may verify this cycle (0: a plain step), at most its ``rooms[i]``."""
@@ -100,17 +120,17 @@ class BatchPlan:
 
     def _widths(self, gains: list[np.ndarray]) -> list[int]:
         """Each row's drafts, given ``gains[i][d - 1]``: its expected accepted tokens from ``d`` drafts."""
-        return (self._padded_widths if self.padded else self._ragged_widths)(gains, *self.cost(len(gains)))
+        return self._padded_widths(gains) if self.padded else self._ragged_widths(gains, *self.cost(len(gains)))
 
-    def _padded_widths(self, gains: list[np.ndarray], fixed: float, per_token: float) -> list[int]:
+    def _padded_widths(self, gains: list[np.ndarray]) -> list[int]:
         """A block padded to its widest row costs ``rows x widest`` tokens: one row's drafts widen
         every row's, and the others may then draft that wide for nothing but their draft. So each
         widest block is tried; a row drafts in it when its gain pays for its draft at the plain rate."""
         rows = len(gains)
-        plain_rate = rows / (fixed + per_token * rows)
+        plain_rate = rows / self.seconds(rows, rows)
         best, best_rate = [0] * rows, plain_rate
         for width in range(2, max((g.size for g in gains), default=0) + 2):
-            limits, tokens, seconds = [0] * rows, float(rows), fixed + per_token * rows * width
+            limits, tokens, seconds = [0] * rows, float(rows), self.seconds(rows, rows * width)
             for i, g in enumerate(gains):
                 d = min(g.size, width - 1)
                 if d and g[d - 1] > plain_rate * self.draft_s:
@@ -143,8 +163,14 @@ class BatchPlan:
         acc = np.zeros(room)
         own = min(room, len(stats.submitted_per_position))
         sub[:own], acc[:own] = stats.submitted_per_position[:own], stats.accepted_per_position[:own]
-        prior = self._prior(room)
-        return np.minimum.accumulate((acc + PRIOR_CYCLES * prior) / (sub + PRIOR_CYCLES))
+        chances = np.minimum.accumulate((acc + PRIOR_CYCLES * self._prior(room)) / (sub + PRIOR_CYCLES))
+        known = int(np.count_nonzero(sub))  # positions this request has verified (widths are prefixes)
+        if 0 < known < room:  # deeper ones: its last measured per-position rate goes on
+            before = chances[known - 2] if known > 1 else 1.0
+            ratio = chances[known - 1] / before if before > 0 else 0.0
+            deeper = chances[known - 1] * ratio ** np.arange(1, room - known + 1)
+            chances[known:] = np.maximum(chances[known:], deeper)
+        return chances
 
     def _prior(self, room: int) -> np.ndarray:
         """The pooled chances (halving per position where nothing was pooled yet)."""
