@@ -275,7 +275,7 @@ def test_zero_norm_weights(base, tmp_path):
                                   ("deepseek_zero", {k: (v * 0 if "norm" in k else v) for k, v in mtp_tensors(canonical, "deepseek", 4).items()}, "deepseek")):
         target = copy_target(base, tmp_path / name)
         write_mtp(target, tensors, layout, 1)
-        engine = make_engine(target)
+        engine = make_engine(target, compile="off")  # exact: the fast path picks kernels by timing them
         draft_probs(engine, k=1)
         logits[name] = engine.drafter.net.logits(engine.drafter._head)
     torch.testing.assert_close(logits["qwen_zero"], logits["deepseek_one"], atol=1e-6, rtol=0)
