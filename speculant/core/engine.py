@@ -172,8 +172,9 @@ class Engine:
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise SettingError(f"max_batch: must be a whole number of at least 1, got {max_batch!r}", "max_batch")
         sampling, generation, block = self._settings(max_new_tokens, overrides)
-        loops = [Loop(self, ids, sampling, generation, block) for ids in items]  # a too-long prompt fails here
-        return self._many(loops, generation, max_batch or max(1, len(loops)))
+        # a too-long prompt fails here, before anything runs
+        requests = [self._request(ids, sampling, generation, block, key=i) for i, ids in enumerate(items)]
+        return self._many(requests, max_batch or max(1, len(requests)))
 
     def run_many(self, prompts: Sequence[str] | None = None, **kwargs: Any) -> list[GenerationResult]:
         """:meth:`generate_many` to completion: one result per prompt, in order."""
@@ -201,7 +202,7 @@ class Engine:
         checks them (a bad one raises SettingError naming it); setting ``cancel`` ends it."""
         ids = self._prompt_ids(None, prompt_ids)
         sampling, generation, block = self._settings(max_new_tokens, dict(overrides))
-        return Request(Loop(self, ids, sampling, generation, block, cancel), generation.stop_strings)
+        return self._request(ids, sampling, generation, block, cancel)
 
     # -- internals -------------------------------------------------------------------------
     def _check_idle(self) -> None:
@@ -283,14 +284,17 @@ class Engine:
         record = _Record()
         return Generation(self._locked_stream(prompt_ids, sampling_cfg, generation, block, record), record)
 
-    def _many(self, loops: list[Loop], generation, max_batch: int) -> Iterator[tuple[int, Chunk]]:
+    def _request(self, ids, sampling, generation, block, cancel=None, key=None) -> Request:
+        return Request(Loop(self, ids, sampling, generation, block, cancel), generation.stop_strings, key)
+
+    def _many(self, requests: list[Request], max_batch: int) -> Iterator[tuple[int, Chunk]]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError(_BUSY)
         events = None
         try:
             scheduler = Scheduler(self, max_batch)
-            for index, loop in enumerate(loops):
-                scheduler.add(Request(loop, generation.stop_strings, key=index))
+            for request in requests:
+                scheduler.add(request)
             events = scheduler.run()
             for request, chunk in events:
                 yield request.key, chunk
@@ -304,8 +308,7 @@ class Engine:
             raise EngineBusyError(_BUSY)
         request = events = None
         try:
-            request = Request(Loop(self, prompt_ids, sampling_cfg, generation, block, record.cancel),
-                              generation.stop_strings)
+            request = self._request(prompt_ids, sampling_cfg, generation, block, record.cancel)
             scheduler = Scheduler(self)  # a batch of one
             scheduler.add(request)
             events = scheduler.run()

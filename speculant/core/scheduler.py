@@ -82,7 +82,6 @@ class Scheduler:
         self._verifiers = [engine.verifier]
         self.plan = engine.batch_plan  # the batched forward's cost and each row's width
         self.batched_cycles = 0
-        self.rows_verified = 0  # requests verified over those cycles
 
     def add(self, request: Request) -> None:
         with self._lock:
@@ -195,8 +194,7 @@ class Scheduler:
 
     # -- a batched cycle ---------------------------------------------------------------------------
     def _cycle(self) -> Iterator[tuple[Request, Chunk]]:
-        for request in [r for r in self.live if r.loop.ended]:  # cancelled since the last cycle
-            yield from self._end(request)
+        yield from self._leave_ended()  # cancelled since the last cycle
         live = list(self.live)
         if not live:
             return
@@ -224,7 +222,6 @@ class Scheduler:
         self.plan.observe(len(live), computed, time.perf_counter() - cycle_start,
                           [p.draft_s for p in proposals])
         self.batched_cycles += 1
-        self.rows_verified += len(live)
         for request, new in zip(live, news):
             chunk = request.chunk(new)
             if chunk is not None:
