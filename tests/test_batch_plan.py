@@ -25,8 +25,8 @@ def history(accepted_per_cycle: int, cycles: int = 20, width: int = ROOM) -> Gen
 def measured(fixed: float, per_token: float, draft: float, rows: int = 4) -> BatchPlan:
     plan = BatchPlan()
     for tokens in (rows, rows * 8, rows * 3, rows * 5, rows, rows * 8):
-        drafting = rows if tokens > rows else 0
-        plan.observe(rows, tokens, fixed + per_token * tokens + draft * drafting, [draft] * drafting)
+        drafting = 1 if tokens == rows * 3 else rows if tokens > rows else 0  # each row's draft its own forward
+        plan.observe(rows, tokens, fixed + per_token * tokens + draft * drafting, drafting, draft * drafting)
     plan.cycles = WARM_UP + 1  # past the warm-up, not at an exploring cycle
     return plan
 
@@ -35,7 +35,7 @@ def test_the_cost_line_is_recovered():
     plan = measured(fixed=0.020, per_token=0.0005, draft=0.001)
     fixed, per_token = plan.cost(4)
     assert fixed == pytest.approx(0.020, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
-    assert plan.draft_s == pytest.approx(0.001)
+    assert plan.draft_seconds(4) == pytest.approx(0.004)
 
 
 def test_a_compute_bound_forward_keeps_every_row_plain():
@@ -91,7 +91,7 @@ def test_a_forward_cheaper_per_token_when_wider_is_read_as_measured():
     measured points, and rows whose drafts were accepted as deep as they went draft in full."""
     plan = BatchPlan()
     for tokens in (16, 64, 256, 16, 64, 256):
-        plan.observe(16, tokens, 0.002 * tokens ** 0.6, [])
+        plan.observe(16, tokens, 0.002 * tokens ** 0.6)
     plan.cycles = WARM_UP + 1
     assert plan.seconds(16, 256) == pytest.approx(0.002 * 256 ** 0.6)
     assert plan.seconds(16, 128) < 0.002 * 128 ** 0.6 * 1.2
@@ -104,3 +104,29 @@ def test_switched_off_it_leaves_every_row_its_width():
     plan.enabled = False
     assert plan.limits([ROOM, 3], [history(0)] * 2) == [ROOM, 3]
     assert plan.drafting_pays(15, ROOM)
+
+
+def test_one_draft_call_for_every_row_is_charged_once():
+    """A drafter that drafts every row in one forward costs about the same for 1 row or 4: the
+    plan reads the call's measured seconds by rows drafted, so all four rows draft where one
+    call pays for them, which 4 x one row's draft time would not."""
+    plan = BatchPlan()
+    for tokens, drafting in ((4, 0), (32, 4), (12, 1), (32, 4), (4, 0), (20, 4)):
+        plan.observe(4, tokens, 0.010 + 0.0001 * tokens + 0.012 * bool(drafting), drafting, 0.012 * bool(drafting))
+    plan.cycles = WARM_UP + 1
+    assert plan.draft_seconds(4) == pytest.approx(0.012) and plan.draft_seconds(2) == pytest.approx(0.012)
+    stats = [history(2)] * 4  # 3 tokens a cycle each for 2 drafts
+    assert plan.limits([ROOM] * 4, stats) == [2] * 4  # as deep as they are accepted
+    per_row = BatchPlan()  # the same forward, each row's draft a forward of its own
+    for tokens, drafting in ((4, 0), (32, 4), (12, 1), (32, 4), (4, 0), (20, 4)):
+        per_row.observe(4, tokens, 0.010 + 0.0001 * tokens + 0.012 * drafting, drafting, 0.012 * drafting)
+    per_row.cycles = WARM_UP + 1
+    assert per_row.limits([ROOM] * 4, stats) == [0] * 4
+
+
+def test_the_live_requests_acceptance_is_the_prior_of_each_other():
+    """Requests only two cycles old, whose drafts were all accepted: pooled with each other (live,
+    nothing finished yet) they draft; read against the halving prior alone they would not."""
+    plan = measured(fixed=0.002, per_token=0.001, draft=0.00025)
+    young = [history(ROOM, cycles=OWN_CYCLES)] * 4
+    assert plan.limits([ROOM] * 4, young) == [ROOM] * 4

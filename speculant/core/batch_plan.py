@@ -2,10 +2,11 @@
 
 A batched forward's cost depends on the tokens of every row together, not on one request: it is
 read off the measured (tokens computed, seconds) of recent cycles, interpolated between them (a
-fitted ``fixed + per_token * tokens`` line while too few are known), plus each drafting row's
-draft time. A request's draft position ``j`` is
+fitted ``fixed + per_token * tokens`` line while too few are known), plus the draft call's time
+for the rows drafting (one forward for all rows where the drafter can: read off the measured
+(rows drafted, seconds) the same way). A request's draft position ``j`` is
 worth its chance of being accepted, ``P(drafts 1..j accepted)``, read from the request's own
-verified cycles, pooled with every request's so far while it has few. A row drafts ``d`` tokens
+verified cycles, pooled with every other request's (finished or live) while it has few. A row drafts ``d`` tokens
 when what they are expected to add beats what the same seconds give at the batch's present rate
 (tokens per second of the cycle without them); otherwise it takes a plain step (no draft). So
 where the forward is compute-bound (a CPU, a large batch) speculation turns itself down row by
@@ -24,6 +25,7 @@ from speculant.core.metrics import GenerationStats
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
 EXPLORE_EVERY = 64  # every this many cycles one row drafts its full width (and joins, one starts its drafter)
 OWN_CYCLES = 2  # a request's first drafting cycles are in full, to measure its own acceptance
+STEADY = 3  # draft calls over one row count before that count's median is read as its cost
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
 
 
@@ -35,23 +37,38 @@ class BatchPlan:
         self.cycles = 0
         self._submitted = np.zeros(0)  # pooled over every request's cycles
         self._accepted = np.zeros(0)
-        self.draft_s = 0.0  # one row's draft time (running mean over drafting rows)
-        self._draft_count = 0
+        self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (rows drafted, seconds of the draft call)
         self.planned_plain = 0  # row-cycles planned as plain steps (stats)
         self.joins = 0  # requests that joined a batch
         self.enabled = True  # False: every row drafts as its verifier plans, whatever the load
         self.padded = True  # the batch pads every row to the widest (BatchedTarget.padded)
 
     # -- measurements ----------------------------------------------------------------------------
-    def observe(self, rows: int, tokens: int, seconds: float, draft_seconds: Sequence[float]) -> None:
+    def observe(self, rows: int, tokens: int, seconds: float, drafted: int = 0, draft_seconds: float = 0.0) -> None:
         """One batched cycle: its rows, the tokens its forward computed (padding included), its
-        seconds, each drafting row's draft time."""
+        seconds, and its draft call: the rows it drafted and its seconds (within ``seconds``)."""
         self.cycles += 1
-        drafted = [s for s in draft_seconds if s > 0]
-        for s in drafted:
-            self._draft_count += 1
-            self.draft_s += (s - self.draft_s) / min(self._draft_count, 32)
-        self.samples.append((rows, tokens, max(seconds - sum(drafted), 1e-9)))
+        if drafted:
+            self.draft_samples.append((drafted, draft_seconds))
+        self.samples.append((rows, tokens, max(seconds - draft_seconds, 1e-9)))
+
+    def draft_seconds(self, rows: int) -> float:
+        """The draft call's seconds for ``rows`` drafting rows (0 for none), as measured: read off
+        the row counts seen at least ``STEADY`` times (one slow call must not price a count), a
+        fitted line (never falling) while fewer than two are, one call's median while only one
+        count was seen (one forward for every row: no cheaper for fewer)."""
+        if rows <= 0 or not self.draft_samples:
+            return 0.0
+        counts = {k: sum(1 for n, _ in self.draft_samples if n == k) for k, _ in self.draft_samples}
+        steady = [(k, s) for k, s in self.draft_samples if counts[k] >= STEADY]
+        if len({k for k, _ in steady}) >= 2:
+            return _interpolated(steady, rows)
+        ks, seconds = np.array([k for k, _ in self.draft_samples], float), np.array([s for _, s in self.draft_samples])
+        if np.ptp(ks) > 0:
+            per_row, fixed = np.polyfit(ks, seconds, 1)
+            per_row = max(per_row, 0.0)
+            return float(max(fixed, 0.0) + per_row * rows) if fixed > 0 else float(np.median(seconds / ks) * rows)
+        return float(np.median(seconds))
 
     def pool(self, stats: GenerationStats) -> None:
         """Add a finished request's per-position acceptance to the pooled estimate."""
@@ -78,22 +95,15 @@ class BatchPlan:
         along the last segment past them; the fitted line while fewer than two are known."""
         same = [(t, s) for r, t, s in self.samples if r == rows]
         data = same if len({t for t, _ in same}) >= 2 else [(t, s) for _, t, s in self.samples]
-        xs = sorted({t for t, _ in data})
-        if len(xs) < 2:
+        if len({t for t, _ in data}) < 2:
             fixed, per_token = self.cost(rows)
             return fixed + per_token * tokens
-        ys = np.maximum.accumulate([float(np.median([s for t, s in data if t == x])) for x in xs])
-        if tokens < xs[0]:  # along the first segment, never below the cost per token measured there
-            slope = max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))
-            return float(max(ys[0] - slope * (xs[0] - tokens), ys[0] * tokens / xs[0]))
-        if tokens <= xs[-1]:
-            return float(np.interp(tokens, xs, ys))
-        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-        return float(ys[-1] + slope * (tokens - xs[-1]))
+        return _interpolated(data, tokens)
 
     # -- the plan ----------------------------------------------------------------------------------
     def limits(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> list[int]:
-        """Drafts each row may verify this cycle (0: a plain step), at most its ``rooms[i]``."""
+        """Drafts each row may verify this cycle (0: a plain step), at most its ``rooms[i]``;
+        ``stats`` are the live requests' (their counts join the pooled ones as the prior)."""
         if not self.enabled:
             return list(rooms)
         if self.cycles < WARM_UP:  # full widths and plain steps in turn: two points of the cost line
@@ -103,19 +113,21 @@ class BatchPlan:
         if self.cycles % EXPLORE_EVERY == 0:  # one row at its full width: a point off the plan's line
             row = (self.cycles // EXPLORE_EVERY) % len(rooms)
             return [room if i == row else 0 for i, room in enumerate(rooms)]
-        limits = self._widths([np.cumsum(self._chances(s, room)) if room else np.zeros(0)
+        prior = self._prior(max(rooms), stats)
+        limits = self._widths([np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
                                for s, room in zip(stats, rooms)])
         # a request's first cycles draft in full, so its own acceptance is known early
         limits = [room if _verified(s) < OWN_CYCLES else most for room, most, s in zip(rooms, limits, stats)]
         self.planned_plain += limits.count(0)
         return limits
 
-    def drafting_pays(self, rows: int, room: int) -> bool:
-        """Whether a request joining ``rows`` others, with the pooled acceptance, would draft at all
-        (False: it joins plain, its drafter never started). True until the cost is measured."""
+    def drafting_pays(self, rows: int, room: int, live: Sequence[GenerationStats] = ()) -> bool:
+        """Whether a request joining ``rows`` others (``live``: their stats), with the pooled
+        acceptance, would draft at all (False: it joins plain, its drafter never started). True
+        until the cost is measured."""
         if not self.enabled or self.cycles < WARM_UP or room <= 0:
             return True
-        gains = np.cumsum(np.minimum.accumulate(self._prior(room)))
+        gains = np.cumsum(np.minimum.accumulate(self._prior(room, live)))
         return any(self._widths([gains] * (rows + 1)))
 
     def _widths(self, gains: list[np.ndarray]) -> list[int]:
@@ -124,46 +136,51 @@ class BatchPlan:
 
     def _padded_widths(self, gains: list[np.ndarray]) -> list[int]:
         """A block padded to its widest row costs ``rows x widest`` tokens: one row's drafts widen
-        every row's, and the others may then draft that wide for nothing but their draft. So each
-        widest block is tried; a row drafts in it when its gain pays for its draft at the plain rate."""
+        every row's, and the others may then draft that wide for their share of the draft call. So
+        each widest block is tried, with the rows worth most drafting in it, one more at a time."""
         rows = len(gains)
-        plain_rate = rows / self.seconds(rows, rows)
-        best, best_rate = [0] * rows, plain_rate
+        best, best_rate = [0] * rows, rows / self.seconds(rows, rows)
         for width in range(2, max((g.size for g in gains), default=0) + 2):
-            limits, tokens, seconds = [0] * rows, float(rows), self.seconds(rows, rows * width)
-            for i, g in enumerate(gains):
-                d = min(g.size, width - 1)
-                if d and g[d - 1] > plain_rate * self.draft_s:
-                    limits[i], tokens, seconds = d, tokens + float(g[d - 1]), seconds + self.draft_s
-            if any(limits) and tokens / seconds > best_rate:
-                best, best_rate = limits, tokens / seconds
+            forward = self.seconds(rows, rows * width)
+            depth = [min(g.size, width - 1) for g in gains]
+            worth = sorted((float(g[d - 1]), i) for i, (g, d) in enumerate(zip(gains, depth)) if d)[::-1]
+            tokens = float(rows)
+            for k, (gain, _) in enumerate(worth, 1):
+                tokens += gain
+                rate = tokens / (forward + self.draft_seconds(k))
+                if rate > best_rate:
+                    best, best_rate = [0] * rows, rate
+                    for _, i in worth[:k]:
+                        best[i] = depth[i]
         return best
 
     def _ragged_widths(self, gains: list[np.ndarray], fixed: float, per_token: float) -> list[int]:
         """Flattened rows cost their own tokens: rows are taken in order of what their drafts are
         worth, each drafting as far as it gains more than the same seconds give at the present rate."""
         tokens, seconds = float(len(gains)), fixed + per_token * len(gains)  # every row's anchor
-        limits = [0] * len(gains)
+        limits, drafting = [0] * len(gains), 0
         for i in sorted(range(len(gains)), key=lambda i: -(gains[i][-1] if gains[i].size else 0.0)):
             if gains[i].size == 0:
                 continue
             rate = tokens / seconds
-            cost = self.draft_s + per_token * np.arange(1, gains[i].size + 1)
+            extra_draft = self.draft_seconds(drafting + 1) - self.draft_seconds(drafting)
+            cost = extra_draft + per_token * np.arange(1, gains[i].size + 1)
             net = gains[i] - rate * cost  # tokens gained beyond what the same seconds give now
             d = int(np.argmax(net))
             if net[d] > 0:
-                limits[i] = d + 1
+                limits[i], drafting = d + 1, drafting + 1
                 tokens += float(gains[i][d])
                 seconds += float(cost[d])
         return limits
 
-    def _chances(self, stats: GenerationStats, room: int) -> np.ndarray:
-        """``P(drafts 1..j accepted)`` for j = 1..room: the request's own counts with the pooled ones as a prior."""
+    def _chances(self, stats: GenerationStats, room: int, prior: np.ndarray) -> np.ndarray:
+        """``P(drafts 1..j accepted)`` for j = 1..room: the request's own counts with ``prior`` (the
+        pooled chances) weighing as ``PRIOR_CYCLES`` cycles."""
         sub = np.zeros(room)
         acc = np.zeros(room)
         own = min(room, len(stats.submitted_per_position))
         sub[:own], acc[:own] = stats.submitted_per_position[:own], stats.accepted_per_position[:own]
-        chances = np.minimum.accumulate((acc + PRIOR_CYCLES * self._prior(room)) / (sub + PRIOR_CYCLES))
+        chances = np.minimum.accumulate((acc + PRIOR_CYCLES * prior) / (sub + PRIOR_CYCLES))
         known = int(np.count_nonzero(sub))  # positions this request has verified (widths are prefixes)
         if 0 < known < room:  # deeper ones: its last measured per-position rate goes on
             before = chances[known - 2] if known > 1 else 1.0
@@ -172,10 +189,14 @@ class BatchPlan:
             chances[known:] = np.maximum(chances[known:], deeper)
         return chances
 
-    def _prior(self, room: int) -> np.ndarray:
-        """The pooled chances (halving per position where nothing was pooled yet)."""
-        pooled_sub, pooled_acc = _padded(self._submitted, room), _padded(self._accepted, room)
-        return np.where(pooled_sub > 0, pooled_acc / np.maximum(pooled_sub, 1), 0.5 ** np.arange(1, room + 1))
+    def _prior(self, room: int, live: Sequence[GenerationStats] = ()) -> np.ndarray:
+        """The chances pooled over finished requests and the ``live`` ones (halving per position
+        where nothing is known yet)."""
+        sub, acc = _padded(self._submitted, room), _padded(self._accepted, room)
+        for stats in live:
+            sub = sub + _padded(np.asarray(stats.submitted_per_position, float), room)
+            acc = acc + _padded(np.asarray(stats.accepted_per_position, float), room)
+        return np.where(sub > 0, acc / np.maximum(sub, 1), 0.5 ** np.arange(1, room + 1))
 
 
 def _verified(stats: GenerationStats) -> int:
@@ -184,3 +205,20 @@ def _verified(stats: GenerationStats) -> int:
 
 def _padded(values: np.ndarray, n: int) -> np.ndarray:
     return np.pad(values[:n], (0, max(0, n - values.size)))
+
+
+def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
+    """``y(x)`` read off measured ``(x, y)`` points (at least two distinct ``x``): the median at each
+    ``x``, made non-decreasing, interpolated between them, extended along the last segment past
+    them and along the first before them (never below the first point's ``y`` per unit of ``x``)."""
+    xs = sorted({px for px, _ in points})
+    ys = np.maximum.accumulate([float(np.median([py for px, py in points if px == at])) for at in xs])
+    if len(xs) < 2:
+        return float(ys[0] * x / xs[0]) if xs[0] else float(ys[0])
+    if x < xs[0]:
+        slope = max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))
+        return float(max(ys[0] - slope * (xs[0] - x), ys[0] * x / xs[0]))
+    if x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return float(ys[-1] + slope * (x - xs[-1]))

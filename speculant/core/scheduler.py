@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 ALONE_AFTER = 32  # the last request of a batch with this many tokens to go moves back onto the target's own cache
-PLAIN_AFTER = 4  # a batched request planned plain this many cycles in a row stops speculating
+PLAIN_AFTER = 4  # when every batched request was planned plain this many cycles in a row, they stop speculating
 
 
 class Request:
@@ -82,6 +82,7 @@ class Scheduler:
         self._verifiers = [engine.verifier]
         self.plan = engine.batch_plan  # the batched forward's cost and each row's width
         self.batched_cycles = 0
+        self._drafted = (0, 0.0)  # this cycle's draft call: rows drafted, seconds
 
     def add(self, request: Request) -> None:
         with self._lock:
@@ -219,8 +220,7 @@ class Scheduler:
         widths = [len(block) for block in blocks]
         computed = len(widths) * max(widths) if self.rows.padded else sum(widths)
         self.plan.padded = self.rows.padded
-        self.plan.observe(len(live), computed, time.perf_counter() - cycle_start,
-                          [p.draft_s for p in proposals])
+        self.plan.observe(len(live), computed, time.perf_counter() - cycle_start, *self._drafted)
         self.batched_cycles += 1
         for request, new in zip(live, news):
             chunk = request.chunk(new)
@@ -232,19 +232,22 @@ class Scheduler:
         ``propose_rows`` call (one draft forward for all where the drafter can)."""
         wanted = [request.loop.wanted_draft(most) for request, most in zip(live, self._limits(live))]
         rows = [i for i, draft_request in enumerate(wanted) if draft_request is not None]
+        self._drafted = (0, 0.0)  # the draft call's rows and seconds, for the plan
         if rows:
             start = time.perf_counter()
             drafts = self.e.drafter.propose_rows([live[i].loop.drafter for i in rows], [wanted[i] for i in rows])
-            share = (time.perf_counter() - start) / len(rows)
+            self._drafted = (len(rows), time.perf_counter() - start)
             for i, draft in zip(rows, drafts):
-                live[i].loop.take_draft(draft, share)
+                live[i].loop.take_draft(draft, self._drafted[1] / len(rows))
         return [request.loop.proposal() for request in live]
 
     def _worth_drafting(self, loop: "Loop") -> bool:
         """Whether a joining request starts its drafter; every ``EXPLORE_EVERY``-th one does anyway,
         so the pooled acceptance keeps being measured at this load."""
         self.plan.joins += 1
-        return self.plan.joins % EXPLORE_EVERY == 0 or self.plan.drafting_pays(len(self.live) - 1, loop._room(loop.position))
+        others = [r.loop.stats for r in self.live if r.loop is not loop]
+        return self.plan.joins % EXPLORE_EVERY == 0 or \
+            self.plan.drafting_pays(len(others), loop._room(loop.position), others)
 
     def _limits(self, live: list[Request]) -> list[int | None]:
         """Each row's most drafts this cycle, from the cost model (None: as the verifier plans)."""
@@ -255,7 +258,12 @@ class Scheduler:
         limits = self.plan.limits(rooms, [loop.stats for loop in loops])
         for loop, room, most in zip(loops, rooms, limits):
             loop.plain_streak = loop.plain_streak + 1 if room and not most else 0
-            if loop.plain_streak >= PLAIN_AFTER:  # it has not paid for a while: stop feeding its drafter
+        speculating = [loop for loop in loops if loop.speculating]
+        # A row planned plain goes on feeding its drafter while any row drafts (the hidden states
+        # are captured for that row anyway), so it can draft again when the plan says so; once
+        # none has drafted for a while, they all stop and the forwards capture nothing.
+        if speculating and all(loop.plain_streak >= PLAIN_AFTER for loop in speculating):
+            for loop in speculating:
                 loop.speculating = False
                 loop.stats.batch_note = (f"decoded plainly from token {len(loop.produced)}: drafting did not pay "
                                          f"beside {len(loops) - 1} other requests")
