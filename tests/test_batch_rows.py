@@ -42,3 +42,22 @@ def test_a_crop_outside_the_last_block_names_the_sequence():
         book.crop([6], names=["a"])
     assert book.crop([3], names=["a"]) is True  # two of five cells are holes: past 25 %
     assert np.array_equal(book.compaction(), [[0, 1, 2]])
+
+
+def test_a_short_rows_unused_tail_does_not_make_plain_steps_compact():
+    """A compaction keeps as many columns as the longest row holds, so the columns a short prompt
+    never filled are not holes it could free: plain steps beside a long row never compact (a gather
+    of every layer's keys and values for nothing), and rejected drafts that leave every row's block
+    columns empty do."""
+    book = RowBook()
+    book.add_row(40)
+    book.add_row(3)
+    for _ in range(8):
+        kept = (book.lengths + 1).tolist()  # each plain step keeps its token
+        book.open_block([1, 1])
+        assert not book.crop(kept, names=["long", "short"])
+    for _ in range(3):
+        kept = (book.lengths + 1).tolist()  # every draft rejected: the anchor alone kept
+        book.open_block([8, 8])
+        compact = book.crop(kept, names=["long", "short"])
+    assert compact  # 21 of 72 columns are held by no row

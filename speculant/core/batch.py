@@ -32,7 +32,7 @@ class BatchedTarget(ABC):
     Calls alternate: any joins and leaves, one verify, one crop, then again."""
 
     keys: list[Hashable]
-    compact_at = 0.25  # squeeze the holes out once they are this share of the cache's cells
+    compact_at = 0.25  # squeeze the holes out once that frees this share of the columns
     padded = True  # a verify pads every row's block to the widest (rows x widest tokens computed)
 
     def __init__(self, target) -> None:
@@ -78,7 +78,7 @@ class RowBook:
     ``valid[r, c]``: column ``c`` holds a position of row ``r``; ``positions[r, c]``: which one.
     A verify block appends ``widest`` columns to every row (the padding ones not valid); a crop
     clears the valid bits past each row's accepted length; :meth:`compaction` gives the gather
-    that moves each row's held columns first, once holes pass ``compact_at`` of the cells."""
+    that moves each row's held columns first, once that frees ``compact_at`` of the columns."""
 
     def __init__(self, compact_at: float = 0.25) -> None:
         self.compact_at = compact_at
@@ -124,7 +124,9 @@ class RowBook:
         return allowed & (distance < window) if window is not None else allowed
 
     def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
-        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now."""
+        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now:
+        when compacting would drop ``compact_at`` of the columns (a compaction keeps as many columns
+        as the longest row holds; the unused tail of a shorter row stays, so it does not count)."""
         if self.block is None:
             raise RuntimeError("crop rolls back the last verify block; no block was verified since the last crop")
         before, widths = self.block
@@ -137,7 +139,7 @@ class RowBook:
                                  f"({first} .. {first + width} positions)")
             self.valid[row, start + length - first:] = False
         self.block = None
-        return self.valid.size - int(self.valid.sum()) > self.compact_at * self.valid.size
+        return self.columns - int(self.lengths.max(initial=0)) > self.compact_at * self.columns
 
     def compaction(self) -> np.ndarray:
         """Apply a compaction here and return its gather ``[rows, longest]`` of column indices,
