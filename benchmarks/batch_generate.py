@@ -6,7 +6,9 @@ run in one process, their order reversed every other repeat (machine drift hits 
 
 - ``spec``: speculative batched, ``engine.run_many(prompts, max_batch=c)``;
 - ``plain``: plain batched decoding of the same target, ``engine.without_drafter().run_many(...)``;
-- ``single``: today's server (one request at a time, FIFO), ``engine.run(p)`` for each prompt.
+- ``single``: today's server (one request at a time, FIFO), ``engine.run(p)`` for each prompt;
+- ``spec_flat``, ``plain_flat`` (asked for with ``--arms``): ``spec`` and ``plain`` with the flattened
+  batch layout (``engine.batch_layout = "flat"``, PyTorch; docs/batching.md), an engine of their own.
 
 At c = 1 every arm runs ``--solo-prompts`` prompts one after another, one call each, so ``spec``
 is a batch of one through the scheduler and spec / single is the batch of one against
@@ -57,7 +59,9 @@ PROMPTS = [
     "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
     "import re\n\n_pattern = re.compile(r'",
 ]
-ARMS = ("spec", "plain", "single")
+ARMS = ("spec", "plain", "single", "spec_flat", "plain_flat")
+DEFAULT_ARMS = ("spec", "plain", "single")
+RATIOS = (("spec", "plain"), ("spec", "single"), ("spec_flat", "spec"), ("plain_flat", "plain"), ("spec_flat", "plain_flat"))
 
 
 def prompts_for(count: int) -> list[str]:
@@ -108,7 +112,7 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     cpu_rates: dict[str, list[float]] = {arm: [] for arm in arms}
     ratios: dict[str, list[float]] = {}
-    mismatches = {"spec": 0, "plain": 0}
+    mismatches = {arm: 0 for arm in arms if arm != "single"}
     acceptance: dict[str, list[float]] = {"spec": [], "single": []}
     batched_cycles: list[int] = []
     for repeat in range(args.repeats):
@@ -118,11 +122,11 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
             tokens = sum(r.stats.new_tokens for r in results[arm])
             rates[arm].append(tokens / seconds)
             cpu_rates[arm].append(tokens / cpu)
-        for other in ("plain", "single"):
-            if "spec" in rates and other in rates:
-                ratios.setdefault(f"spec_over_{other}", []).append(rates["spec"][-1] / rates[other][-1])
-                ratios.setdefault(f"spec_over_{other}_cpu", []).append(cpu_rates["spec"][-1] / cpu_rates[other][-1])
-        for arm in ("spec", "plain"):
+        for arm, other in RATIOS:
+            if arm in rates and other in rates:
+                ratios.setdefault(f"{arm}_over_{other}", []).append(rates[arm][-1] / rates[other][-1])
+                ratios.setdefault(f"{arm}_over_{other}_cpu", []).append(cpu_rates[arm][-1] / cpu_rates[other][-1])
+        for arm in ("spec", "plain", "spec_flat", "plain_flat"):
             if arm not in results or "single" not in results:
                 continue
             for i, (got, solo) in enumerate(zip(results[arm], results["single"])):
@@ -150,10 +154,10 @@ def print_row(row: dict) -> None:
     parts = [f"c={row['concurrency']:<3}"]
     parts += [f"{arm} {row[f'{arm}_tok_s']:7.1f} tok/s" for arm in ARMS if f"{arm}_tok_s" in row]
     parts += [f"{k.replace('_over_', '/')} {row[k]:.3f}x (cpu {row[k + '_cpu']:.3f}x)"
-              for k in ("spec_over_plain", "spec_over_single") if k in row]
+              for k in (f"{a}_over_{b}" for a, b in RATIOS) if k in row]
     parts += [f"acceptance spec {row['spec_mean_acceptance']:.2f}"] if "spec_mean_acceptance" in row else []
     parts += [f"single {row['single_mean_acceptance']:.2f}"] if "single_mean_acceptance" in row else []
-    parts += [f"mismatches {row.get('spec_mismatches', 0)}/{row.get('plain_mismatches', 0)}"]
+    parts += [f"mismatches " + "/".join(str(row.get(f"{arm}_mismatches", 0)) for arm in ARMS if arm != "single")]
     print("  ".join(parts), flush=True)
 
 
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--solo-prompts", type=int, default=8, help="prompts run one by one at concurrency 1")
     parser.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help=f"comma-separated subset of {','.join(ARMS)} (the _flat arms: the flattened batch layout, PyTorch)")
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON here")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
@@ -201,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(args, Path(tmp))
         engine = load_engine(config)
         engines = {"spec": engine, "plain": engine.without_drafter()}
+        if any(arm.endswith("_flat") for arm in arms):  # an engine of its own: its own batch plan
+            flat = load_engine(config)
+            engines.update(spec_flat=flat, plain_flat=flat.without_drafter())
+            for each in (flat, engines["plain_flat"]):
+                each.batch_layout = "flat"
         warm = prompts_for(2)
         for arm in arms:  # warm-up: every arm once, batched where it batches
             run_arm(arm, engines, warm, 2, 8)
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"backend": config["backend"]["kind"], "pair": args.config or (f"mid {args.mid}" if args.mid else "shipped"),
               "commit": commit(), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "load_average": os.getloadavg(), "rows": rows,
-              "mismatches": sum(r.get("spec_mismatches", 0) + r.get("plain_mismatches", 0) for r in rows)}
+              "mismatches": sum(v for r in rows for k, v in r.items() if k.endswith("_mismatches"))}
     if report["mismatches"]:
         print(f"!!! {report['mismatches']} requests differ from their single-stream output", flush=True)
     if args.out:

@@ -34,6 +34,7 @@ CAPTURE = Capture(layer_ids=(1, 2), final_hidden="post_norm")
 # dense; all sliding; sliding + full (Gemma 3; gpt-oss with sinks; Muse Glimmer without rope on full layers);
 # Gated DeltaNet + full (Qwen3.5; Qwen3-Next with MoE and partial rope)
 TARGETS = ("qwen3", "llama", "mistral", "gemma3_text", "gpt_oss", "muse_glimmer", "qwen3_5", "qwen3_next")
+HYBRIDS = ("qwen3_5", "qwen3_next")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,10 @@ def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact
     monkeypatch.setattr(cls, "compact_at", compact_at)
     if backend == "mlx":  # prompts of 3 .. 20 tokens join in chunks of 6
         monkeypatch.setattr("speculant.backends.mlx.batch.PREFILL_STEP", 6)
-    batch = cls(engine.target)
+    assert_each_equals_its_solo_run(cls(engine.target), solo)
+
+
+def assert_each_equals_its_solo_run(batch, solo):
     got, accepted = batched_greedy(batch, solo)
     assert all(a == 5 for a in accepted["whole"][:-1]), accepted["whole"]
     assert set(accepted["never"]) == {0}
@@ -144,6 +148,27 @@ def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact
     for key in SEQUENCES:
         assert got[key] == solo[key], key
     assert batch.keys == [] and batch.book.columns == 0
+
+
+@pytest.mark.parametrize(("name", "compact_at"), [(name, 0.25) for name in TARGETS if name not in HYBRIDS]
+                         + [("qwen3", 0.0), ("mistral", 1.0)])
+def test_the_flattened_layout_equals_each_solo_run(targets, name, compact_at, monkeypatch):
+    """Every sequence's tokens end to end in one cache row (backends/torch/flat_batch.py): each
+    token must read only its own sequence's columns, at its own positions, within its window."""
+    from speculant.backends.torch.flat_batch import TorchFlatBatch
+
+    engine = engine_for(targets(name))
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    monkeypatch.setattr(TorchFlatBatch, "compact_at", compact_at)
+    assert_each_equals_its_solo_run(engine.target.new_batch("flat"), solo)
+
+
+def test_the_flattened_layout_refuses_gated_deltanet_layers(targets):
+    engine = engine_for(targets("qwen3_5"))
+    with pytest.raises(ValueError, match="flattened batch layout holds no per-sequence Gated DeltaNet"):
+        engine.target.new_batch("flat")
+    with pytest.raises(ValueError, match="batch layout 'paged'"):
+        engine.target.new_batch("paged")
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)

@@ -99,6 +99,18 @@ def test_batched_requests_equal_their_solo_runs(family, plain_tokens, name, back
     assert results[3].stats.batched_cycles < results[1].stats.batched_cycles
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_the_flattened_layout_schedules_the_same_tokens(family, plain_tokens, name):
+    """``engine.batch_layout = "flat"``: the same requests, rows end to end in one cache row; the
+    plan then charges each row its own tokens (no padding)."""
+    plain = plain_tokens(name, "torch")
+    engine = planted(family(name), "torch", plain)
+    engine.batch_layout = "flat"
+    results = engine.run_many(prompt_ids=PROMPTS, max_new_tokens=NEW, ignore_eos=True, max_batch=3)
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.batched_cycles > 0 for r in results) and not engine.batch_plan.padded
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "mtp", "lookup"])
 def test_every_drafter_batched_equals_its_solo_runs(pairs, kind, backend):  # noqa: F811
@@ -169,7 +181,7 @@ def test_a_target_that_cannot_batch_takes_turns(family, plain_tokens, monkeypatc
     plain = plain_tokens("llama", "torch")
     engine = planted(family("llama"), "torch", plain)
 
-    def refuse():
+    def refuse(layout="padded"):
         raise ValueError("no batches here")
 
     monkeypatch.setattr(engine.target, "new_batch", refuse)

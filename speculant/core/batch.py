@@ -70,6 +70,15 @@ class BatchedTarget(ABC):
         """After :meth:`verify`: keep each sequence's first ``lengths[i]`` positions, between its
         length before the block and that plus the block's width (its own accepted length)."""
 
+    def _checked_widths(self, blocks: Sequence[Sequence[int]]) -> list[int]:
+        """Each block's width, after checking there is one block per sequence, each with its anchor."""
+        if len(blocks) != len(self.keys):
+            raise ValueError(f"verify got {len(blocks)} blocks for a batch of {len(self.keys)} sequences")
+        widths = [len(block) for block in blocks]
+        if min(widths, default=0) < 1:
+            raise ValueError(f"every sequence's block needs its anchor token; widths were {widths}")
+        return widths
+
 
 class RowBook:
     """Which cache columns hold which positions of which row, on the host (numpy), for every
@@ -127,16 +136,9 @@ class RowBook:
         """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now:
         when compacting would drop ``compact_at`` of the columns (a compaction keeps as many columns
         as the longest row holds; the unused tail of a shorter row stays, so it does not count)."""
-        if self.block is None:
-            raise RuntimeError("crop rolls back the last verify block; no block was verified since the last crop")
-        before, widths = self.block
-        if len(lengths) != len(widths):
-            raise ValueError(f"crop got {len(lengths)} lengths for a batch of {len(widths)} sequences")
+        before, widths = _closed_block(self.block, lengths, names)
         start = self.columns - max(widths)  # the block's first column
-        for row, (length, first, width) in enumerate(zip(lengths, before.tolist(), widths)):
-            if not first <= length <= first + width:
-                raise ValueError(f"sequence {names[row]!r}: crop to {length} outside its last block "
-                                 f"({first} .. {first + width} positions)")
+        for row, (length, first) in enumerate(zip(lengths, before.tolist())):
             self.valid[row, start + length - first:] = False
         self.block = None
         return self.columns - int(self.lengths.max(initial=0)) > self.compact_at * self.columns
@@ -150,6 +152,93 @@ class RowBook:
         self.positions = np.take_along_axis(self.positions, order, axis=1)
         self.valid = np.arange(longest)[None, :] < counts[:, None]
         return order
+
+
+class FlatBook:
+    """The flattened layout's bookkeeping (vLLM's, without pages): every sequence's positions in
+    the columns of ONE cache row, ``owner[c]`` the sequence column ``c`` belongs to. A verify
+    block is every sequence's anchor + drafts end to end (``sum(widths)`` tokens, no padding), each
+    token reading only its own sequence's held columns up to its position."""
+
+    def __init__(self, compact_at: float = 0.25) -> None:
+        self.compact_at = compact_at
+        self.rows = 0
+        self.owner = np.zeros(0, dtype=np.int64)
+        self.positions = np.zeros(0, dtype=np.int64)
+        self.valid = np.zeros(0, dtype=bool)
+        self.block: tuple[np.ndarray, list[int]] | None = None
+
+    @property
+    def columns(self) -> int:
+        return int(self.owner.size)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.bincount(self.owner[self.valid], minlength=self.rows)
+
+    def add_row(self, length: int) -> None:
+        """A sequence holding positions ``0 .. length - 1``, appended as the last columns."""
+        self._append(np.full(length, self.rows), np.arange(length), np.ones(length, dtype=bool))
+        self.rows += 1
+
+    def drop_row(self, row: int) -> None:
+        gone = self.owner == row
+        self.valid[gone] = False
+        self.owner = np.where(gone, -1, np.where(self.owner > row, self.owner - 1, self.owner))
+        self.rows -= 1
+
+    def open_block(self, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Append every row's block end to end; each token's position and owner ``[sum(widths)]``."""
+        if self.block is not None:
+            raise RuntimeError("crop the last verified block before the next")
+        lengths = self.lengths
+        owner = np.repeat(np.arange(self.rows), widths)
+        query = np.concatenate([length + np.arange(width) for length, width in zip(lengths, widths)])
+        self._append(owner, query, np.ones(query.size, dtype=bool))
+        self.block = (lengths, list(widths))
+        return query, owner
+
+    def visible(self, query: np.ndarray, owner: np.ndarray, window: int | None) -> np.ndarray:
+        """``[tokens, columns]``: which columns each token of the last block reads."""
+        distance = query[:, None] - self.positions[None, :]
+        allowed = self.valid[None, :] & (self.owner[None, :] == owner[:, None]) & (distance >= 0)
+        return allowed & (distance < window) if window is not None else allowed
+
+    def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
+        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now
+        (when that frees ``compact_at`` of the columns)."""
+        before, widths = _closed_block(self.block, lengths, names)
+        start = self.columns - sum(widths)
+        for length, first, width in zip(lengths, before.tolist(), widths):
+            self.valid[start + length - first:start + width] = False
+            start += width
+        self.block = None
+        return self.columns - int(self.valid.sum()) > self.compact_at * self.columns
+
+    def compaction(self) -> np.ndarray:
+        """Apply a compaction here and return the held columns' indices, in order (the gather)."""
+        order = np.flatnonzero(self.valid)
+        self.owner, self.positions, self.valid = self.owner[order], self.positions[order], self.valid[order]
+        return order
+
+    def _append(self, owner: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> None:
+        self.owner = np.concatenate([self.owner, owner])
+        self.positions = np.concatenate([self.positions, positions])
+        self.valid = np.concatenate([self.valid, valid])
+
+
+def _closed_block(block, lengths: Sequence[int], names: Sequence) -> tuple[np.ndarray, list[int]]:
+    """The open block's (lengths before, widths), after checking ``lengths`` keep within it."""
+    if block is None:
+        raise RuntimeError("crop rolls back the last verify block; no block was verified since the last crop")
+    before, widths = block
+    if len(lengths) != len(widths):
+        raise ValueError(f"crop got {len(lengths)} lengths for a batch of {len(widths)} sequences")
+    for row, (length, first, width) in enumerate(zip(lengths, before.tolist(), widths)):
+        if not first <= length <= first + width:
+            raise ValueError(f"sequence {names[row]!r}: crop to {length} outside its last block "
+                             f"({first} .. {first + width} positions)")
+    return before, widths
 
 
 def _pad(book: np.ndarray, columns: int) -> np.ndarray:

@@ -73,6 +73,7 @@ class Engine:
         self.prefix_store = prefix_store(config.prefix_cache, backend)
         # The batched forward's measured cost and the pooled acceptance, kept across batches
         self.batch_plan = BatchPlan()
+        self.batch_layout = "padded"  # or "flat" (PyTorch, attention-only targets): docs/batching.md
 
     # -- construction ----------------------------------------------------------------------
     def without_drafter(self) -> "Engine":

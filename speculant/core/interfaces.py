@@ -130,9 +130,9 @@ class TargetModel(ABC):
         tree nodes ``path`` (root first) at positions ``length ..`` and drop every other node."""
         raise NotImplementedError(self.tree_problem())
 
-    def new_batch(self) -> "BatchedTarget":
-        """An empty batch of sequences over this target's weights, with caches of its own
-        (core/batch.py, docs/batching.md); raises ValueError saying why this target cannot batch."""
+    def new_batch(self, layout: str = "padded") -> "BatchedTarget":
+        """An empty batch of sequences over this target's weights, with caches of its own, padded or
+        ``"flat"`` (docs/batching.md); raises ValueError saying why this target cannot batch so."""
         raise ValueError(f"{type(self).__name__} has no batched verify (one sequence at a time)")
 
 

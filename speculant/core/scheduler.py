@@ -129,7 +129,7 @@ class Scheduler:
         if self.batch_refused is not None:
             return False
         try:
-            self.rows = self.e.target.new_batch()
+            self.rows = self.e.target.new_batch(self.e.batch_layout)
         except (ValueError, NotImplementedError) as exc:
             self.batch_refused = str(exc)
             return False

@@ -147,11 +147,7 @@ class MLXBatch(BatchedTarget):
 
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
         self._between_cycles("verify")
-        if len(blocks) != len(self.keys):
-            raise ValueError(f"verify got {len(blocks)} blocks for a batch of {len(self.keys)} sequences")
-        widths = [len(block) for block in blocks]
-        if min(widths, default=0) < 1:
-            raise ValueError(f"every sequence's block needs its anchor token; widths were {widths}")
+        widths = self._checked_widths(blocks)
         logits, features, final = self._forward(blocks, self.layers, self.book, capture)
         self._settle(logits)
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),

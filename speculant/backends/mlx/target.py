@@ -291,9 +291,11 @@ class MLXTarget(TargetModel):
         self._length = length + len(path)
 
     # -- pipelined plain greedy decoding ---------------------------------------------------
-    def new_batch(self):
+    def new_batch(self, layout: str = "padded"):
         from speculant.backends.mlx.batch import MLXBatch  # it imports this module
 
+        if layout != "padded":
+            raise ValueError(f"batch layout {layout!r}: MLX batches as 'padded' only")
         return MLXBatch(self)
 
     def greedy_steps(self, anchor_id: int) -> Iterator[int]:

@@ -117,16 +117,12 @@ class TorchBatch(BatchedTarget):
     @torch.inference_mode()
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
         self._between_cycles("verify")
-        if len(blocks) != len(self.keys):
-            raise ValueError(f"verify got {len(blocks)} blocks for a batch of {len(self.keys)} sequences")
-        widths = [len(block) for block in blocks]
-        if min(widths, default=0) < 1:
-            raise ValueError(f"every sequence's block needs its anchor token; widths were {widths}")
+        widths = self._checked_widths(blocks)
         ids = torch.zeros((len(blocks), max(widths)), dtype=torch.long, device=self._device)  # 0: padding, masked
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = torch.as_tensor(list(block), device=self._device)
         query = self.book.open_block(widths)
-        mask = self._mask(query)
+        mask = self._mask(lambda window: self.book.visible(query, window))
         logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0, attention_mask=mask,
                                                 position_ids=torch.from_numpy(query).to(self._device))
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
@@ -161,13 +157,13 @@ class TorchBatch(BatchedTarget):
         features, final = target._recorder.finish(capture, batched=True)
         return out.logits, features, final
 
-    def _mask(self, query):
+    def _mask(self, visible):
         """The additive mask ``[rows, 1, widest, columns]`` per attention kind (the block's
-        columns included); one tensor for one kind, else a dict by ``layer_types`` name."""
+        columns included), from ``visible(window)`` (its booleans ``[rows, widest, columns]``); one
+        tensor for one kind, else a dict by ``layer_types`` name."""
         dtype = self.target.model.dtype
         zero, blocked = torch.zeros((), dtype=dtype, device=self._device), torch.finfo(dtype).min
-        masks = {kind: torch.where(torch.from_numpy(self.book.visible(query, window)).to(self._device), zero,
-                                   blocked)[:, None]
+        masks = {kind: torch.where(torch.from_numpy(visible(window)).to(self._device), zero, blocked)[:, None]
                  for kind, window in self._windows.items()}
         if self._hybrid:
             masks[LINEAR] = None  # padding follows each row's tokens: it moves only states the crop drops

@@ -283,10 +283,14 @@ class TorchTarget(TargetModel):
             raise RuntimeError(f"commit_tree({length}) must follow forward_tree over a cache of {length} positions")
         commit_path(self.cache, tree, path)
 
-    def new_batch(self):
+    def new_batch(self, layout: str = "padded"):
         from speculant.backends.torch.batch import TorchBatch
+        from speculant.backends.torch.flat_batch import TorchFlatBatch
 
-        return TorchBatch(self)
+        layouts = {"padded": TorchBatch, "flat": TorchFlatBatch}
+        if layout not in layouts:
+            raise ValueError(f"batch layout {layout!r}: PyTorch batches as {' or '.join(map(repr, layouts))}")
+        return layouts[layout](self)
 
     def greedy_steps(self, anchor_id: int) -> Iterator[int] | None:
         """Plain greedy decoding on the compiled path: the width-1 graph's argmax stays on the
