@@ -285,3 +285,20 @@ def test_layers_of_an_unknown_kind_are_refused_by_name():
                       layer_types=("linear_attention", "mamba"))
     assert "mamba" in batch_problem(info) and "falcon_h1" in batch_problem(info)
     assert batch_problem(replace(info, layer_types=("linear_attention", "full_attention"))) is None
+
+
+def test_a_verify_writes_into_the_caches_spare_room(targets):
+    """The batch's attention layers append each forward's keys and values after the held ones in
+    spare room (backends/torch/growing.py), not by concatenating the whole cache every cycle."""
+    batch = engine_for(targets("qwen3")).target.new_batch()
+    batch.join("a", list(range(5, 12)))
+    batch.join("b", list(range(30, 33)))
+    layer = batch.cache.layers[0]
+    held = layer.keys.clone()
+    batch.verify([[1, 2], [3]])
+    storage = layer.keys.data_ptr()
+    batch.crop([8, 4])
+    batch.verify([[4], [5]])
+    assert layer.keys.data_ptr() == storage  # the same buffer: nothing copied
+    batch.crop([9, 5])
+    assert layer.keys.shape[2] == 10 and torch.equal(layer.keys[:, :, :7], held)

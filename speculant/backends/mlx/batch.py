@@ -31,23 +31,51 @@ from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
 
 
+STEP = 256  # columns a RowsCache's buffers grow by (mlx-lm's KVCache step)
+
+
 class RowsCache(_BaseCache):
     """One attention layer's keys and values of every row; ``offset`` and the mask are the
     current forward's, set by :class:`MLXBatch` before it runs."""
 
     def __init__(self, window: int | None) -> None:
         self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self._keys: mx.array | None = None  # [rows, heads, capacity, dim], the first columns held
+        self._values: mx.array | None = None
+        self._held = [0, 0]  # columns held of keys, of values (assigned one after the other)
         self.offset: mx.array | int = 0
         self.mask: mx.array | None = None
 
+    @property
+    def keys(self) -> mx.array | None:
+        return None if self._keys is None else self._keys[:, :, :self._held[0]]
+
+    @keys.setter
+    def keys(self, array: mx.array | None) -> None:
+        self._keys, self._held[0] = array, 0 if array is None else int(array.shape[2])
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self._values is None else self._values[:, :, :self._held[1]]
+
+    @values.setter
+    def values(self, array: mx.array | None) -> None:
+        self._values, self._held[1] = array, 0 if array is None else int(array.shape[2])
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = mx.concatenate([self.keys, keys], axis=2)
-            self.values = mx.concatenate([self.values, values], axis=2)
+        """Write the forward's keys and values after the held ones, in spare room that grows by
+        ``STEP`` columns (concatenating would copy the whole cache every cycle)."""
+        held, new = self._held[0], int(keys.shape[2])
+        if self._keys is None or self._keys.shape[2] < held + new:
+            room = ((held + new + STEP - 1) // STEP) * STEP
+            grown_keys = mx.zeros((*keys.shape[:2], room, keys.shape[3]), keys.dtype)
+            grown_values = mx.zeros((*values.shape[:2], room, values.shape[3]), values.dtype)
+            if held:
+                grown_keys[:, :, :held], grown_values[:, :, :held] = self.keys, self.values
+            self._keys, self._values = grown_keys, grown_values
+        self._keys[:, :, held:held + new] = keys
+        self._values[:, :, held:held + new] = values
+        self._held = [held + new, held + new]
         return self.keys, self.values
 
     def make_mask(self, N: int, *args, **kwargs) -> mx.array | None:

@@ -38,8 +38,9 @@ from typing import Hashable, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from speculant.backends.torch.growing import GrowingLayer
 from speculant.backends.torch.rollback import RollbackCache
 from speculant.core.batch import BatchedTarget, RowBook
 from speculant.core.types import Capture, ForwardOutput
@@ -64,12 +65,14 @@ class TorchBatch(BatchedTarget):
         self.book = RowBook(self.compact_at)
 
     def _new_cache(self) -> DynamicCache:
-        """Every attention layer a full-length DynamicLayer (sliding ones are masked); Gated
+        """Every attention layer a full-length ``GrowingLayer`` (sliding ones are masked); Gated
         DeltaNet layers recording their last forward (``RollbackCache``) until :func:`_keep_linear`."""
         if not self._hybrid:
-            return DynamicCache()
+            cache = DynamicCache()
+            cache.layer_class_to_replicate = GrowingLayer
+            return cache
         cache = RollbackCache(self.target.model.config)
-        cache.layers = [layer if isinstance(layer, LinearAttentionCacheLayerMixin) else DynamicLayer()
+        cache.layers = [layer if isinstance(layer, LinearAttentionCacheLayerMixin) else GrowingLayer()
                         for layer in cache.layers]
         return cache
 
