@@ -6,12 +6,13 @@ forks in lockstep: each row takes in its commits up to its next proposal, and th
 propose are asked together through ``propose_rows``. The rows sit at different context lengths
 and commit different accepted counts, and draft different widths; each must propose exactly what
 it proposed alone (token ids, and logits to float32 rounding), greedy and sampled (each row's
-recorded rng)."""
+recorded rng). Every case runs on PyTorch (``torch_rows.py``) and MLX (``mlx_rows.py``)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib
 
 import pytest
 
@@ -20,8 +21,9 @@ torch = pytest.importorskip("torch")
 from speculant.core.interfaces import Drafter  # noqa: E402
 from speculant.drafters.dflash import torch_rows, visibility  # noqa: E402
 from speculant.testing.tiny import build_tiny_dflash  # noqa: E402
-from test_drafter_fork import load, pairs, proposed, same, solo  # noqa: E402,F401
+from test_drafter_fork import BACKENDS, HAS_MLX, load, model_drafter, pairs, proposed, same, solo  # noqa: E402,F401
 
+ROWS = {"torch": torch_rows, "mlx": importlib.import_module("speculant.drafters.dflash.mlx_rows") if HAS_MLX else None}
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [40, 41, 3, 17, 90] * 3 + [8, 12], [11, 12, 13], [70, 3, 71, 4, 72, 5, 9, 9, 30, 31, 2]]
 
 
@@ -36,8 +38,13 @@ def windowed(pairs, tmp_path_factory):
                               extra_config={"layer_types": ["sliding_attention", "full_attention"]})
     sliding = build_tiny_dflash(root / "sliding", target, seed=6, block_size=8, scale=0.1, sliding_window=5,
                                 extra_config={"is_causal": False})
+    # mlx-lm's dynamic NTK RoPE takes no per-row offsets (MLX rotates its rows one by one); past 16
+    # positions its base grows with the position
+    dynamic = build_tiny_dflash(root / "dynamic", target, seed=8, block_size=8, scale=0.1, extra_config={
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16})
     return {**pairs, "mixed windows": (target, {**drafter, "path": str(mixed)}, prompts),
-            "sliding": (target, {**drafter, "path": str(sliding)}, prompts)}
+            "sliding": (target, {**drafter, "path": str(sliding)}, prompts),
+            "dynamic rope": (target, {**drafter, "path": str(dynamic)}, prompts)}
 
 
 def recordings(engine, prompts, sampled: bool) -> list[list[tuple]]:
@@ -81,10 +88,15 @@ def assert_recorded(rounds: list[list[tuple]]) -> None:
             assert same(have, want), f"round {i} row {r}: {have[0]} != {want[0]}"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mixed windows", "sliding", "lookup"])
-def test_rows_drafted_together_equal_each_drafted_alone(windowed, kind, sampled):
-    engine, _ = load(windowed, kind, "torch")
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mixed windows", "sliding", "lookup", "dynamic rope"])
+def test_rows_drafted_together_equal_each_drafted_alone(windowed, kind, sampled, backend):
+    if kind == "dynamic rope" and (backend == "torch" or sampled):
+        pytest.skip("MLX's RoPE without per-row offsets; greedy is enough for it")
+    engine, _ = load(windowed, kind, backend)
+    if kind == "dynamic rope":
+        assert not engine.drafter.net.model.layers[0].self_attn.rope_takes_offsets
     calls = recordings(engine, PROMPTS, sampled)
     drafted = [[p for name, _, p in c if name == "propose"] for c in calls]
     assert all(len(d) >= 3 for d in drafted) or kind == "lookup", [len(d) for d in drafted]  # lookup: copies
@@ -93,11 +105,12 @@ def test_rows_drafted_together_equal_each_drafted_alone(windowed, kind, sampled)
     assert len(rounds) >= 3 and max(map(len, rounds)) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_rows_of_different_widths_each_see_their_own_block(pairs, kind):
+def test_rows_of_different_widths_each_see_their_own_block(pairs, kind, backend):
     """Odd rows ask for one token fewer than the block the others draft: each row's draft equals
     its own ``propose`` (asked one by one, Drafter's default)."""
-    engine, _ = load(pairs, kind, "torch")
+    engine, _ = load(pairs, kind, backend)
     calls = recordings(engine, PROMPTS, sampled=False)
     together = replay_in_rows(engine, calls, narrower=True)
     alone = replay_in_rows(engine, calls, lambda ds, rs: Drafter.propose_rows(ds[0], ds, rs), narrower=True)
@@ -110,38 +123,52 @@ def test_rows_of_different_widths_each_see_their_own_block(pairs, kind):
     assert narrowed >= 3
 
 
-@pytest.mark.parametrize(("kind", "compiled"), [("dflash", False), ("dflash", True), ("lookup", False)])
-def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypatch, kind, compiled):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("kind", "compiled"), [("dflash", False), ("dflash", True), ("dflash2", False),
+                                                ("lookup", False)])
+def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypatch, kind, compiled, backend):
     """Every round of two or more model drafts is one draft forward (behind prompt lookup: the
-    rows left without a copy); a compiled draft step (traced by dynamo, run by its eager backend
-    here) keeps its own buffers, so its rows go one by one."""
-    engine, _ = load(pairs, kind, "torch")
-    if compiled:
+    rows left without a copy); a compiled draft step (on PyTorch traced by dynamo, run by its
+    eager backend here; MLX compiles it on a CPU) keeps its own buffers, so its rows go one by one."""
+    if compiled and backend == "torch":
         monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-        engine.drafter.net.compile_step(8)
-        assert engine.drafter.net.compiled is not None, engine.drafter.fast_path
+    engine, _ = load(pairs, kind, backend, compile="auto" if compiled and backend == "mlx" else "off")
+    net = model_drafter(engine.drafter).net
+    if compiled and backend == "torch":
+        net.compile_step(8)
+    assert (net.compiled is not None) == compiled, engine.drafter.fast_path
     calls = recordings(engine, PROMPTS, sampled=False)
     forwards = []
-    real = torch_rows.hidden_rows
-    monkeypatch.setattr(torch_rows, "hidden_rows", lambda *a: forwards.append(len(a[0])) or real(*a))
+    module = ROWS[backend]
+    real = module.hidden_rows
+    monkeypatch.setattr(module, "hidden_rows", lambda *a: forwards.append(len(a[0])) or real(*a))
     rounds = replay_in_rows(engine, calls)
     assert_recorded(rounds)
     modelled = [sum(have is not None and have[1] is not None for _, have, _ in rows) for rows in rounds]
     assert forwards == ([] if compiled else [n for n in modelled if n >= 2]) and max(modelled) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("broken", ["mask", "context"])
-def test_a_row_reading_another_rows_context_is_caught(pairs, monkeypatch, broken):
-    """The check above fails when the mask lets a row see padding and other rows' slots, or when
-    every row is given the first row's context: the rows must not mix."""
-    engine, _ = load(pairs, "dflash", "torch")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("broken", ["mask", "context", "positions"])
+def test_a_row_reading_another_rows_context_is_caught(pairs, monkeypatch, broken, backend):
+    """The check above fails when the mask lets a row see padding and other rows' slots, when
+    every row is given the first row's context, or (MLX, whose RoPE takes an array of per-row
+    offsets) when every row's block is rotated at the first row's position: the rows must not mix."""
+    if broken == "positions" and backend == "torch":
+        pytest.skip("PyTorch stacks each row's own cos/sin tables")
+    engine, _ = load(pairs, "dflash", backend)
     calls = recordings(engine, PROMPTS, sampled=False)
+    module = ROWS[backend]
     if broken == "mask":
         real = visibility.rows_keep
-        monkeypatch.setattr(torch_rows, "rows_keep", lambda *a: real(*a) | True)
-    else:
-        real_init = torch_rows.PaddedRows.__init__
-        monkeypatch.setattr(torch_rows.PaddedRows, "__init__",
+        monkeypatch.setattr(module, "rows_keep", lambda *a: real(*a) | True)
+    elif broken == "context":
+        real_init = module.PaddedRows.__init__
+        monkeypatch.setattr(module.PaddedRows, "__init__",
                             lambda self, caches, layer: real_init(self, [caches[0]] * len(caches), layer))
+    else:
+        real_positions = module.RowPositions
+        monkeypatch.setattr(module, "RowPositions", lambda first, lengths, offsets: real_positions(
+            (first[0],) * len(first), lengths, offsets * 0 + first[0]))
     with pytest.raises(AssertionError, match="round"):
         assert_recorded(replay_in_rows(engine, calls))

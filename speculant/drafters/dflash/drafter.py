@@ -158,8 +158,8 @@ class DFlashDrafter(Drafter):
         return Draft(token_ids=tokens, num_tokens=request.num_tokens, logits=logits)
 
     def propose_rows(self, drafters: Sequence[Drafter], requests: Sequence[DraftRequest]) -> list[Draft | None]:
-        """Every row's block in one draft forward where the network can (eager PyTorch; a compiled
-        draft step, MLX, or a single row go one by one), each row's draft equal to its own
+        """Every row's block in one draft forward where the network can (eager PyTorch and MLX; a
+        compiled draft step or a single row go one by one), each row's draft equal to its own
         :meth:`propose`: blocks as wide as the widest, each row seeing its own context and width."""
         rows = getattr(self.net, "hidden_rows", None)
         if len(drafters) < 2 or rows is None or not all(map(self._eager_fork, drafters)):

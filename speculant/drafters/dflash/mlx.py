@@ -12,6 +12,7 @@ token ids that the target's verify forward consumes directly.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,23 +48,63 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.rope = make_rope(cfg)
+        self.rope_takes_offsets = isinstance(self.rope, rope_takes_offsets())
 
     def _heads(self, x: mx.array, n_heads: int) -> mx.array:
-        return x.reshape(1, x.shape[1], n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(*x.shape[:2], n_heads, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, ctx: mx.array, ctx_start: int, position: int, context: BlockSlot, mask) -> mx.array:
+    def keys_values(self, rows: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys (normed, not yet rotated) and values [b, kv_heads, n, hd] of ``rows`` [b, n, H]."""
+        return self.k_norm(self._heads(self.k_proj(rows), self.kv_heads)), self._heads(self.v_proj(rows), self.kv_heads)
+
+    def rotate(self, x: mx.array, position) -> mx.array:
+        """RoPE of ``x`` [b, heads, n, hd] from ``position`` (an int, or a scalar array in the
+        compiled step) on, or from each row's own first position (:class:`RowPositions`)."""
+        if not isinstance(position, RowPositions):
+            return self.rope(x, offset=position)
+        if self.rope_takes_offsets:
+            return self.rope(x, offset=position.offsets)
+        # a row by row RoPE may depend on the rows given (dynamic NTK: on the last position), so
+        # each row's own block is rotated as its own forward would; its filler rows stay as they are
+        rows = []
+        for r, (first, length) in enumerate(zip(position.first, position.lengths)):
+            block, filler = x[r:r + 1, :, :length], x[r:r + 1, :, length:]
+            rows.append(mx.concatenate([self.rope(block, offset=first), filler], axis=2))
+        return mx.concatenate(rows)
+
+    def __call__(self, x: mx.array, ctx: mx.array, ctx_start: int, position, context: BlockSlot, mask) -> mx.array:
         """``x`` [1, q, H] block rows at ``position``..; ``ctx`` [1, n, H] new context rows at
-        ``ctx_start``.. (n may be 0), committed to ``context``, which holds the earlier ones."""
-        q_len, n_ctx = x.shape[1], ctx.shape[1]
-        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), offset=position)
-        rows = mx.concatenate([ctx, x], axis=1) if n_ctx else x
-        k = self.k_norm(self._heads(self.k_proj(rows), self.kv_heads))
-        v = self._heads(self.v_proj(rows), self.kv_heads)
+        ``ctx_start``.. (n may be 0), committed to ``context``, which holds the earlier ones.
+        Several sequences' blocks (mlx_rows.py): ``x`` [rows, q, H] at :class:`RowPositions`, no
+        new context rows, ``context`` their padded context."""
+        batch, q_len, n_ctx = x.shape[0], x.shape[1], ctx.shape[1]
+        q = self.rotate(self.q_norm(self._heads(self.q_proj(x), self.heads)), position)
+        k, v = self.keys_values(mx.concatenate([ctx, x], axis=1) if n_ctx else x)
         if n_ctx:
-            context.append(self.rope(k[:, :, :n_ctx], offset=ctx_start), v[:, :, :n_ctx], ctx_start, reserve=q_len)
-        k, v = context.join(self.rope(k[:, :, n_ctx:], offset=position), v[:, :, n_ctx:])
+            context.append(self.rotate(k[:, :, :n_ctx], ctx_start), v[:, :, :n_ctx], ctx_start, reserve=q_len)
+        k, v = context.join(self.rotate(k[:, :, n_ctx:], position), v[:, :, n_ctx:])
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, q_len, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, q_len, -1))
+
+
+class RowPositions(NamedTuple):
+    """Where each sequence's block lies when several are drafted at once (mlx_rows.py): its first
+    position (as ints, and as the array of offsets ``mx.fast.rope`` takes) and its own length
+    (rows past it are filler)."""
+
+    first: tuple[int, ...]
+    lengths: tuple[int, ...]
+    offsets: mx.array
+
+
+def rope_takes_offsets() -> tuple[type, ...]:
+    """mlx-lm's RoPE classes that hand ``offset`` straight to ``mx.fast.rope``, so an array of
+    per-row offsets works; any other (the dynamic NTK one derives its base from a scalar offset)
+    rotates row by row."""
+    from mlx_lm.models import rope_utils
+
+    names = ("SuScaledRoPE", "Llama3RoPE", "YarnRoPE", "ProportionalRoPE")
+    return (nn.RoPE, *(getattr(rope_utils, n) for n in names if hasattr(rope_utils, n)))
 
 
 class MLP(nn.Module):
@@ -181,6 +222,12 @@ class MLXDFlashNetwork:
                 masks[kind] = block_mask(held, ctx_end, position, q_len, layer.causal, layer.window)
             x = layer(x, ctx, context_start, position, cache.slot(i), masks[kind])
         return m.norm(x[0, 1:])
+
+    def hidden_rows(self, nets, contexts, block_ids, positions, widths) -> mx.array:
+        """Several forks' blocks in one forward (mlx_rows.py); eager, so never while compiled."""
+        from speculant.drafters.dflash.mlx_rows import hidden_rows
+
+        return hidden_rows(nets, contexts, block_ids, positions, widths)
 
     def head(self, hidden: mx.array) -> mx.array:
         return self.target.lm_head(hidden.astype(self.target_dtype), raw=True).astype(mx.float32)

@@ -21,8 +21,8 @@ from speculant.drafters.dflash2.drafter import DFlash2Drafter
 
 
 class GroupedDynamicConv(nn.Module):
-    """Two-sided depthwise convolution over the block rows (axis 1 of ``[1, n, H]``) with
-    per-(row, group) dynamic taps; zeros before the anchor, no state across rounds."""
+    """Two-sided depthwise convolution over the block rows (axis 1 of ``[b, n, H]``: a block per
+    sequence) with per-(row, group) dynamic taps; zeros before the anchor, no state across rounds."""
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
         super().__init__()
@@ -34,20 +34,20 @@ class GroupedDynamicConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
     def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """Side-0 convolution of ``x`` [1, n, H]; returns it and the side-1 taps [1, n, K, G]."""
-        dynamic = self.kernel_projection(x).reshape(1, x.shape[1], 2, self.kernel_size, self.groups)
+        """Side-0 convolution of ``x`` [b, n, H]; returns it and the side-1 taps [b, n, K, G]."""
+        dynamic = self.kernel_projection(x).reshape(*x.shape[:2], 2, self.kernel_size, self.groups)
         return self._convolve(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
 
     def finish(self, y: mx.array, dynamic: mx.array) -> mx.array:
         return self._convolve(y, dynamic, self.base_kernel[1])
 
     def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
-        n = x.shape[1]
-        rows = x.reshape(1, n, self.groups, self.group_size)
+        b, n = x.shape[:2]
+        rows = x.reshape(b, n, self.groups, self.group_size)
         kernel = base.astype(x.dtype).reshape(self.kernel_size, self.groups, self.group_size)
         out = kernel[0] * rows + dynamic[:, :, 0, :, None] * rows
         for tap in range(1, min(self.kernel_size, n)):
-            zeros = mx.zeros((1, tap, self.groups, self.group_size), dtype=x.dtype)
+            zeros = mx.zeros((b, tap, self.groups, self.group_size), dtype=x.dtype)
             earlier = mx.concatenate([zeros, rows[:, : n - tap]], axis=1)
             out = (out + kernel[tap] * earlier) + dynamic[:, :, tap, :, None] * earlier
         return out.reshape(x.shape)
