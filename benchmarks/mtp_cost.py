@@ -2,6 +2,7 @@
 
     python benchmarks/mtp_cost.py [--backend torch|mlx] [--layout qwen|deepseek] [--cycles 60]
                                   [--hidden 64] [--layers 4] [--mtp-layers 1] [--context 128]
+                                  [--compile auto|off] [--rows 4,16]
 
 Builds a tiny Qwen3 target and MTP layers in its folder (a separate folder on MLX, whose Qwen3
 loader is strict), prefills ``--context`` prompt tokens, then runs real greedy draft / verify /
@@ -11,6 +12,12 @@ head projections) and the target's verify forward over K + 1 tokens. A one-token
 at the same context is timed too. Reports medians and the ratios draft / verify forward and
 draft / one-token forward. Tiny models on a shared CPU: the ratios are the meaningful part, and
 they overstate the MTP's share for real models, whose target has far more layers per MTP layer.
+
+With ``--rows 4,16`` it times batched drafting instead (issue #39): that many forks of the
+drafter, prefilled at contexts ``--context``, ``--context + 7``, ..., each propose K = 3 drafts
+through ``propose_rows`` (one step per depth over all rows) and through the default that asks
+each row in turn, interleaved; reports medians over ``--cycles`` repeats and checks both arms
+drafted the same tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ def make_engine(args, target: Path, folder: Path | None):
     drafter = {"kind": "mtp", "block_size": 4}
     if folder is not None:
         drafter["path"] = str(folder)
-    return speculant.load_engine({"backend": {"kind": args.backend, "device": args.device, "dtype": args.dtype},
+    return speculant.load_engine({"backend": {"kind": args.backend, "device": args.device, "dtype": args.dtype,
+                                              "compile": args.compile},
                                          "target": {"path": str(target)}, "drafter": drafter})
 
 
@@ -103,6 +111,37 @@ def measure(engine, k: int, context: int, cycles: int) -> dict:
     }
 
 
+def measure_rows(engine, rows: int, k: int, context: int, repeats: int) -> dict:
+    """Median ms of ``rows`` forks' drafts in one ``propose_rows`` vs asked row by row."""
+    from speculant.core.interfaces import Drafter
+    from speculant.core.types import DraftRequest, SamplingParams
+
+    target, drafter, ops, verifier = engine.target, engine.drafter, engine.backend.ops, engine.verifier
+    forks = [drafter] + [drafter.fork() for _ in range(rows - 1)]
+    requests = []
+    for r, fork in enumerate(forks):
+        prompt = [20 + (i * 7 + r) % 200 for i in range(context + 7 * r)]
+        target.reset()
+        out = target.prefill(prompt, drafter.info.capture)
+        first = verifier.verify(ops, None, out.logits[-1:], SamplingParams(), None).token_ids[0]
+        fork.prefill(prompt, out, first)
+        requests.append(DraftRequest(first, len(prompt), k))
+    arms = {"one_pass": drafter.propose_rows, "per_row": lambda ds, rs: Drafter.propose_rows(drafter, ds, rs)}
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    tokens: dict[str, list] = {}
+    for _ in range(1 + repeats):  # the first round warms up
+        for name, ask in arms.items():
+            t0 = time.perf_counter()
+            drafts = ask(forks, requests)
+            settle(engine, *[d.token_ids for d in drafts])
+            times[name].append(time.perf_counter() - t0)
+            tokens[name] = [ops.to_list(d.token_ids) for d in drafts]
+    if tokens["one_pass"] != tokens["per_row"]:
+        raise SystemExit(f"propose_rows drafted {tokens['one_pass']}, row by row {tokens['per_row']}")
+    one, per = (1e3 * statistics.median(times[name][1:]) for name in arms)
+    return {"rows": rows, "K": k, "one_pass_ms": one, "per_row_ms": per, "per_row_over_one_pass": per / one}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="torch", choices=["torch", "mlx"])
@@ -115,6 +154,9 @@ def main() -> None:
     parser.add_argument("--mtp-layers", type=int, default=1)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--compile", default="auto", choices=["auto", "off"],
+                        help="backend.compile (compiled MLX MTP steps draft row by row even in propose_rows)")
+    parser.add_argument("--rows", default=None, help="e.g. 4,16: time propose_rows over that many forks instead")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     if args.backend == "torch":
@@ -124,6 +166,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target, folder = build(Path(tmp), args)
         engine = make_engine(args, target, folder)
+        if args.rows:
+            return report_rows(args, [measure_rows(engine, int(n), 3, args.context, args.cycles) for n in args.rows.split(",")])
         measure(engine, 1, args.context, 5)  # warm-up
         rows = [measure(engine, k, args.context, args.cycles) for k in (1, 2, 3)]
     print(f"MTP draft cost per cycle ({args.backend}, {args.layout} layout, {args.mtp_layers} MTP layer(s); "
@@ -132,6 +176,17 @@ def main() -> None:
     for r in rows:
         print(f"{r['K']:>2} {r['draft_ms']:>9.3f} {r['verify_forward_ms']:>14.3f} {r['one_token_forward_ms']:>15.3f} "
               f"{r['draft_over_verify_forward']:>13.3f} {r['draft_over_one_token_forward']:>14.3f} {r['mean_accepted']:>9.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+
+
+def report_rows(args, rows: list[dict]) -> None:
+    print(f"MTP drafts of several forks, one step per depth vs row by row ({args.backend}, {args.layout} layout, "
+          f"{args.mtp_layers} MTP layer(s), hidden {args.hidden}, compile {args.compile}; contexts from {args.context}; K = 3; "
+          f"medians of {args.cycles} repeats)")
+    print(f"{'rows':>4} {'one pass ms':>12} {'per row ms':>11} {'per row / one pass':>19}")
+    for r in rows:
+        print(f"{r['rows']:>4} {r['one_pass_ms']:>12.3f} {r['per_row_ms']:>11.3f} {r['per_row_over_one_pass']:>19.2f}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
 

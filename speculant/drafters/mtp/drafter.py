@@ -22,6 +22,7 @@ from typing import Any, Protocol, Sequence
 from speculant.core.interfaces import Drafter
 from speculant.core.types import Array, Draft, DrafterInfo, DraftRequest, ForwardOutput
 from speculant.drafters.mtp.config import MTPConfig
+from speculant.drafters.mtp.rows import active_rows
 
 
 class MTPNetwork(Protocol):
@@ -45,6 +46,9 @@ class MTPNetwork(Protocol):
 
     def logits(self, hidden: Array) -> Array:
         """The target's LM head over final-normed MTP rows."""
+
+    # optional: ``run_rows(nets, layer, hidden, token_ids, positions)``: :meth:`run` of one row
+    # per fork ``nets[r]`` (draft steps) in one step. A network without it drafts rows one by one.
 
 
 class MTPDrafter(Drafter):
@@ -136,14 +140,7 @@ class MTPDrafter(Drafter):
 
     # -- drafting --------------------------------------------------------------------------
     def propose(self, request: DraftRequest) -> Draft:
-        if request.position != self._next_position or request.anchor_id != self._anchor:
-            raise RuntimeError(
-                f"mtp drafter out of step: asked to draft after token {request.anchor_id} at position {request.position}, "
-                f"but its committed state ends with token {self._anchor} at position {self._next_position}"
-            )
-        for j in range(self.cfg.num_layers):
-            self.net.crop(j, self._lengths[j])
-        sample = self.cfg.sample_drafts and not request.sampling.is_greedy
+        sample = self._ready(request)
         b = self._next_position - 1
         token, prob = self._choose(self.net.logits(self._head), request, sample)
         tokens, probs = [token], [prob]
@@ -154,12 +151,73 @@ class MTPDrafter(Drafter):
             tokens.append(token)
             probs.append(prob)
             h = self._recycle(pre, post)
+        return self._draft(request, tokens, probs if sample else None)
+
+    def _ready(self, request: DraftRequest) -> bool:
+        """Checks that ``request`` continues the committed state and drops the last draft's
+        speculative entries; returns whether the drafts are sampled."""
+        if request.position != self._next_position or request.anchor_id != self._anchor:
+            raise RuntimeError(
+                f"mtp drafter out of step: asked to draft after token {request.anchor_id} at position {request.position}, "
+                f"but its committed state ends with token {self._anchor} at position {self._next_position}"
+            )
+        for j in range(self.cfg.num_layers):
+            self.net.crop(j, self._lengths[j])
+        return self.cfg.sample_drafts and not request.sampling.is_greedy
+
+    def _draft(self, request: DraftRequest, tokens: list[Array], probs: list[Array] | None) -> Draft:
+        """The proposal from each draft's token ([1]) and, when sampled, its q row ([1, V])."""
         ops = self.ops
         token_ids = tokens[0] if len(tokens) == 1 else ops.concatenate(tokens)
-        draft_probs = None
-        if sample:
-            draft_probs = probs[0] if len(probs) == 1 else ops.concatenate(probs, axis=0)
+        draft_probs = None if probs is None else probs[0] if len(probs) == 1 else ops.concatenate(probs, axis=0)
         return Draft(token_ids=token_ids, num_tokens=request.num_tokens, draft_probs=draft_probs)
+
+    def propose_rows(self, drafters: Sequence[Drafter], requests: Sequence[DraftRequest]) -> list[Draft | None]:
+        """Draft step k of every row still drafting in one step of MTP layer k mod n (eager
+        networks; a compiled MLX step keeps buffers of its own, so its rows, and a single row, go
+        one by one), each row's draft equal to its own :meth:`propose`. Every MTP config batches
+        (MoE, MLA, YaRN): projections, norms and MLPs treat rows independently, and each row's
+        attention sees only its own fork's cache (``run_rows``, :mod:`speculant.drafters.mtp.rows`)."""
+        run_rows = getattr(self.net, "run_rows", None)
+        if len(drafters) < 2 or run_rows is None or not all(map(self._eager_fork, drafters)):
+            return super().propose_rows(drafters, requests)
+        samples = [d._ready(r) for d, r in zip(drafters, requests)]
+        widths = [r.num_tokens for r in requests]
+        chosen: list[list[tuple[Array, Array | None]]] = [[] for _ in requests]
+        rows = list(range(len(requests)))  # every row drafts its first token, as propose does
+        heads = self.ops.concatenate([drafters[r]._head for r in rows])
+        tokens = self._choose_rows(self.net.logits(heads), rows, requests, samples, chosen)
+        h = self.ops.concatenate([drafters[r]._carry[0] for r in rows])
+        for k in range(1, max(widths, default=0)):
+            still = active_rows(widths, k)
+            if len(still) < len(rows):
+                keep = self.backend.int_array([rows.index(r) for r in still])
+                h, tokens, rows = h[keep], tokens[keep], still
+            positions = [requests[r].position - 1 + k for r in rows]
+            pre, post = run_rows([drafters[r].net for r in rows], k % self.cfg.num_layers, h, tokens, positions)
+            tokens = self._choose_rows(self.net.logits(post), rows, requests, samples, chosen)
+            h = self._recycle(pre, post)
+        return [self._draft(request, [t for t, _ in picks], [p for _, p in picks] if sample else None)
+                for request, picks, sample in zip(requests, chosen, samples)]
+
+    def _choose_rows(self, logits: Array, rows: list[int], requests: Sequence[DraftRequest], samples: list[bool],
+                     chosen: list[list]) -> Array:
+        """Each of ``rows``' next token from its logits row (``logits[i]`` is ``rows[i]``'s), as
+        :meth:`_choose` picks it, appended to ``chosen[row]``; returns the tokens [len(rows)]."""
+        if not any(samples[r] for r in rows):
+            tokens = self.ops.argmax(logits)
+            for i, r in enumerate(rows):
+                chosen[r].append((tokens[i:i + 1], None))
+            return tokens
+        for i, r in enumerate(rows):
+            chosen[r].append(self._choose(logits[i:i + 1], requests[r], samples[r]))
+        return self.ops.concatenate([chosen[r][-1][0] for r in rows])
+
+    def _eager_fork(self, other: Drafter) -> bool:
+        """Whether ``other`` is this drafter or a fork of it with eager caches (a compiled step
+        keeps its rows in buffers of its own)."""
+        return isinstance(other, MTPDrafter) and other.net.model is self.net.model and \
+            getattr(other.net, "compiled", None) is None
 
     def _choose(self, logits: Array, request: DraftRequest, sample: bool) -> tuple[Array, Array | None]:
         """Argmax (one-hot q) or, when sampling drafts, an inverse-CDF draw from q with the

@@ -19,11 +19,11 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from speculant.core.checkpoint import safetensors_files
 from speculant.core.errors import CheckpointError
 from speculant.drafters.mtp.config import MTPConfig, rope_frequencies
+from speculant.drafters.mtp.mlx_cache import LayerCache
 from speculant.drafters.mtp.tensors import assemble, wanted_tensors
 from speculant.drafters.mtp.routing import route
 
@@ -43,50 +43,6 @@ class RMSNorm(nn.Module):
         return (xf * (self.offset + self.weight.astype(mx.float32))).astype(x.dtype)
 
 
-class LayerCache:
-    """Keys/values [1, kv_heads, length, hd] in a buffer grown in steps, positions on the host."""
-
-    step = 256
-
-    def __init__(self) -> None:
-        self.k: mx.array | None = None
-        self.v: mx.array | None = None
-        self.positions: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return len(self.positions)
-
-    def append(self, k: mx.array, v: mx.array, positions: Sequence[int]):
-        start, n = self.length, k.shape[2]
-        need = start + n
-        if self.k is None or need > self.k.shape[2]:
-            cap = ((need + self.step - 1) // self.step) * self.step
-            grown_k = mx.zeros((1, k.shape[1], cap, k.shape[3]), dtype=k.dtype)
-            grown_v = mx.zeros((1, v.shape[1], cap, v.shape[3]), dtype=v.dtype)
-            if start:
-                grown_k[:, :, :start] = self.k[:, :, :start]
-                grown_v[:, :, :start] = self.v[:, :, :start]
-            self.k, self.v = grown_k, grown_v
-        self.k[:, :, start:need] = k
-        self.v[:, :, start:need] = v
-        self.positions.extend(int(p) for p in positions)
-        return self.k[:, :, :need], self.v[:, :, :need]
-
-    def start(self, positions: Sequence[int]) -> int:
-        """The first position of the rows being run (their RoPE offset)."""
-        return positions[0]
-
-    def mask(self, positions: Sequence[int]) -> mx.array | None:
-        """Causal keep-mask of ``positions`` over the cached rows; None for one row (it comes after every one)."""
-        if len(positions) == 1:
-            return None
-        return mx.array(np.asarray(self.positions)[None, :] <= np.asarray(positions)[:, None])
-
-    def crop(self, length: int) -> None:
-        del self.positions[length:]
-
-
 class RoPE:
     """``mx.fast.rope`` over the first ``cfg.rope_dim`` dims, YaRN frequencies and factor included."""
 
@@ -102,9 +58,9 @@ class RoPE:
         return out if self.scale == 1.0 else out * self.scale
 
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None, scale: float) -> mx.array:
-    """Attention of q [1, heads, n, d] over the cache under ``mask``; returns [n, heads, dv]."""
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)[0].transpose(1, 0, 2)
+def attend(q: mx.array, keys: mx.array, values: mx.array, cache, positions: list[int], scale: float) -> mx.array:
+    """Attention of q (``cache.heads`` layout) over ``keys`` / ``values`` under the cache's mask; returns [n, heads, dv]."""
+    return cache.rows(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=cache.mask(positions)))
 
 
 class Attention(nn.Module):
@@ -137,11 +93,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         offset = cache.start(positions)
-        q = self.rope(q.transpose(1, 0, 2)[None], offset)
-        k = self.rope(k.transpose(1, 0, 2)[None], offset)
-        v = self.v_proj(x).reshape(n, self.kv_heads, hd).transpose(1, 0, 2)[None]
+        q, k = self.rope(cache.heads(q), offset), self.rope(cache.heads(k), offset)
+        v = cache.heads(self.v_proj(x).reshape(n, self.kv_heads, hd))
         keys, values = cache.append(k, v, positions)
-        out = attend(q, keys, values, cache.mask(positions), self.scale).reshape(n, self.heads * hd)
+        out = attend(q, keys, values, cache, positions, self.scale).reshape(n, self.heads * hd)
         if gate is not None:
             out = out * mx.sigmoid(gate)
         return self.o_proj(out)
@@ -169,18 +124,18 @@ class LatentAttention(nn.Module):
     def __call__(self, x: mx.array, positions: list[int], cache: LayerCache) -> mx.array:
         n, m, nh = x.shape[0], self.m, self.heads
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(n, nh, m.qk_head_dim).transpose(1, 0, 2)[None]
+        q = cache.heads(q.reshape(n, nh, m.qk_head_dim))
         q_nope, q_rot = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         kv_a = self.kv_a_proj_with_mqa(x)
         latent, k_rot = kv_a[:, : m.kv_lora_rank], kv_a[:, m.kv_lora_rank:]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(n, nh, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 0, 2)[None]
+        kv = cache.heads(self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(n, nh, m.qk_nope_head_dim + m.v_head_dim))
         k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
         offset = cache.start(positions)
-        k_rot = self.rope(k_rot[None, None], offset)  # one rotary key shared by every head
+        k_rot = self.rope(cache.heads(k_rot[:, None]), offset)  # one rotary key shared by every head
         q = mx.concatenate([q_nope, self.rope(q_rot, offset)], axis=-1)
-        k = mx.concatenate([k_nope, mx.broadcast_to(k_rot, (1, nh, n, m.qk_rope_head_dim))], axis=-1)
+        k = mx.concatenate([k_nope, mx.broadcast_to(k_rot, (*k_nope.shape[:-1], m.qk_rope_head_dim))], axis=-1)
         keys, values = cache.append(k, v, positions)
-        out = attend(q, keys, values, cache.mask(positions), self.scale)
+        out = attend(q, keys, values, cache, positions, self.scale)
         return self.o_proj(out.reshape(n, nh * m.v_head_dim))
 
 
@@ -324,6 +279,16 @@ class MLXMTPNetwork:
             other.compiled = self.compiled.fork()
         other.reset()
         return other
+
+    def run_rows(self, nets: Sequence["MLXMTPNetwork"], layer: int, hidden, token_ids, positions: Sequence[int]):
+        """:meth:`run` of row r for fork ``nets[r]`` (eager forks over this model), all in one step."""
+        from speculant.drafters.mtp.mlx_rows import RowsCache
+
+        cache = RowsCache([n.caches[layer] for n in nets])
+        embedded = self.target.embed(token_ids).astype(self.dtype)
+        pre, post = self.model.step(layer, embedded, hidden.astype(self.dtype), [int(p) for p in positions], cache)
+        mx.async_eval(pre, post, *cache.buffers())
+        return pre, post
 
     def run(self, layer: int, hidden, token_ids, positions: Sequence[int]):
         positions = [int(p) for p in positions]

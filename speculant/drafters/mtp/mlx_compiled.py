@@ -1,7 +1,7 @@
 """The MTP step on MLX under ``mx.compile``, used where the target's whole forward runs compiled
 (``speculant/backends/mlx/static.py``).
 
-The eager :class:`~speculant.drafters.mtp.mlx.LayerCache` slices its buffers at Python ints and
+The eager :class:`~speculant.drafters.mtp.mlx_cache.LayerCache` slices its buffers at Python ints and
 builds its mask on the host, which a trace would bake in. Here each MTP layer keeps buffers
 whose row is the position (keys, values, and each row's position, ``FAR`` until written), passed
 through the compiled function as arrays:
@@ -28,11 +28,12 @@ import mlx.core as mx
 
 from speculant.core.buffers import FAR, capacity_for, padded
 from speculant.drafters.mtp.mlx import LatentAttention
+from speculant.drafters.mtp.mlx_cache import SequenceRows
 
 COMPILED_ROWS = 16  # rows of a step run compiled; a longer one (the prompt) runs uncompiled
 
 
-class TracedCache:
+class TracedCache(SequenceRows):
     """One layer's buffers inside the trace, in the interface of ``LayerCache``; rows at ``at``."""
 
     def __init__(self, keys: mx.array, values: mx.array, key_at: mx.array, at: mx.array, end: mx.array) -> None:

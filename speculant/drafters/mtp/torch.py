@@ -104,6 +104,14 @@ class LayerCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def attend(self, q, k, v, positions, scale: float) -> torch.Tensor:
+        """Appends k / v [kv_heads, n, d]; causal attention of q [heads, n, d] over the cache,
+        returned as [n, heads, dv] (``torch_rows.RowsCache`` does the same for many sequences)."""
+        keys, values, key_pos = self.append(k, v, positions)
+        # a single row always comes after every cached position; several rows need causality
+        keep = None if q.shape[1] == 1 else key_pos[None, :] <= positions[:, None]
+        return attention(q, keys, values, keep, scale).transpose(0, 1)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: MTPConfig) -> None:
@@ -134,22 +142,20 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, hd)).transpose(0, 1)
         v = self.v_proj(x).view(n, self.kv_heads, hd).transpose(0, 1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        keys, values, key_pos = cache.append(k, v, positions)
-        groups = self.heads // self.kv_heads
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=0)
-            values = values.repeat_interleave(groups, dim=0)
-        out = attend(q, keys, values, positions, key_pos, self.scale).reshape(n, self.heads * hd)
+        out = cache.attend(q, k, v, positions, self.scale).reshape(n, self.heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
 
-def attend(q, keys, values, positions, key_pos, scale: float) -> torch.Tensor:
-    """Causal attention of q [heads, n, d] over the cache; returns [n, heads, dv]."""
-    # a single row always comes after every cached position; several rows need causality
-    mask = None if q.shape[1] == 1 else key_pos[None, :] <= positions[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale).transpose(0, 1)
+def attention(q, keys, values, keep: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [..., heads, n, d] over keys / values [..., kv_heads, length, d] (grouped heads
+    repeated) where ``keep`` (broadcast to [..., n, length]) holds; returns [..., heads, n, dv]."""
+    groups = q.shape[-3] // keys.shape[-3]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=-3)
+        values = values.repeat_interleave(groups, dim=-3)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=keep, scale=scale)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -188,8 +194,7 @@ class LatentAttention(nn.Module):
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q = torch.cat([q_nope, rotate(q_rot, cos, sin)], dim=-1)
         k = torch.cat([k_nope, rotate(k_rot, cos, sin).expand(nh, n, m.qk_rope_head_dim)], dim=-1)
-        keys, values, key_pos = cache.append(k, v.contiguous(), positions)
-        out = attend(q, keys, values, positions, key_pos, self.scale)
+        out = cache.attend(q, k, v.contiguous(), positions, self.scale)
         return self.o_proj(out.reshape(n, nh * m.v_head_dim))
 
 
@@ -326,9 +331,19 @@ class TorchMTPNetwork:
 
     @torch.inference_mode()
     def run(self, layer: int, hidden, token_ids, positions: Sequence[int]):
+        return self._step(layer, hidden, token_ids, positions, self.caches[layer])
+
+    @torch.inference_mode()
+    def run_rows(self, nets: Sequence["TorchMTPNetwork"], layer: int, hidden, token_ids, positions: Sequence[int]):
+        """:meth:`run` of row r for fork ``nets[r]`` (eager forks over this model), all in one step."""
+        from speculant.drafters.mtp.torch_rows import RowsCache
+
+        return self._step(layer, hidden, token_ids, positions, RowsCache([n.caches[layer] for n in nets]))
+
+    def _step(self, layer: int, hidden, token_ids, positions: Sequence[int], cache):
         embedded = self.target.embed(token_ids).to(self.dtype)
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
-        return self.model.step(layer, embedded, hidden.to(self.dtype), pos, self.caches[layer])
+        return self.model.step(layer, embedded, hidden.to(self.dtype), pos, cache)
 
     def cache_length(self, layer: int) -> int:
         return self.caches[layer].length
