@@ -130,3 +130,20 @@ def test_the_live_requests_acceptance_is_the_prior_of_each_other():
     plan = measured(fixed=0.002, per_token=0.001, draft=0.00025)
     young = [history(ROOM, cycles=OWN_CYCLES)] * 4
     assert plan.limits([ROOM] * 4, young) == [ROOM] * 4
+
+
+def test_explorations_thin_out_while_every_row_stays_plain():
+    """A compute-bound forward keeps every row plain; each exploration widens every row's padded
+    block for one row, so they come at 64, 128, 256 ... cycles apart, back to 64 once a row drafts."""
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    explored = []
+    for plan.cycles in range(EXPLORE_EVERY, EXPLORE_EVERY + 1000):
+        if any(plan.limits([ROOM] * 3, [history(ROOM)] * 3)):
+            explored.append(plan.cycles)
+    assert explored == [64, 128, 256, 512, 1024]
+    cheap = measured(fixed=0.030, per_token=0.0001, draft=0.005)
+    cheap.explore_every, cheap._explore_at, cheap.cycles = 512, 600, 599
+    assert any(cheap.limits([ROOM] * 2, [history(ROOM)] * 2))  # the plan drafts
+    cheap.cycles = 600
+    cheap.limits([ROOM] * 2, [history(ROOM)] * 2)
+    assert cheap.explore_every == EXPLORE_EVERY

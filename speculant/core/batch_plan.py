@@ -24,6 +24,7 @@ from speculant.core.metrics import GenerationStats
 
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
 EXPLORE_EVERY = 64  # every this many cycles one row drafts its full width (and joins, one starts its drafter)
+EXPLORE_MOST = 1024  # the explorations' spacing doubles up to this while the plan keeps every row plain
 OWN_CYCLES = 2  # a request's first drafting cycles are in full, to measure its own acceptance
 STEADY = 3  # draft calls over one row count before that count's median is read as its cost
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
@@ -35,6 +36,10 @@ class BatchPlan:
     def __init__(self) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (rows, tokens, forward seconds)
         self.cycles = 0
+        self.explore_every = EXPLORE_EVERY
+        self._explore_at = EXPLORE_EVERY  # the cycle of the next exploration
+        self._explored = 0
+        self._drafted_since = True  # the plan gave some row drafts since the last exploration (or none was made)
         self._submitted = np.zeros(0)  # pooled over every request's cycles
         self._accepted = np.zeros(0)
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (rows drafted, seconds of the draft call)
@@ -110,16 +115,24 @@ class BatchPlan:
             return list(rooms) if self.cycles % 2 else [0] * len(rooms)
         if not any(rooms):
             return list(rooms)
-        if self.cycles % EXPLORE_EVERY == 0:  # one row at its full width: a point off the plan's line
-            row = (self.cycles // EXPLORE_EVERY) % len(rooms)
-            return [room if i == row else 0 for i, room in enumerate(rooms)]
+        if self.cycles >= self._explore_at:  # one row at its full width: a point off the plan's line
+            return self._explore(rooms)
         prior = self._prior(max(rooms), stats)
         limits = self._widths([np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
                                for s, room in zip(stats, rooms)])
+        self._drafted_since = self._drafted_since or any(limits)
         # a request's first cycles draft in full, so its own acceptance is known early
         limits = [room if _verified(s) < OWN_CYCLES else most for room, most, s in zip(rooms, limits, stats)]
         self.planned_plain += limits.count(0)
         return limits
+
+    def _explore(self, rooms: Sequence[int]) -> list[int]:
+        """One row (in turn) drafts its full width. While the plan keeps every row plain between
+        explorations, each costs a padded block for one row's sake: they come half as often."""
+        self.explore_every = EXPLORE_EVERY if self._drafted_since else min(2 * self.explore_every, EXPLORE_MOST)
+        self._explore_at, self._drafted_since = self.cycles + self.explore_every, False
+        row, self._explored = self._explored % len(rooms), self._explored + 1
+        return [room if i == row else 0 for i, room in enumerate(rooms)]
 
     def drafting_pays(self, rows: int, room: int, live: Sequence[GenerationStats] = ()) -> bool:
         """Whether a request joining ``rows`` others (``live``: their stats), with the pooled
