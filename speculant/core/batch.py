@@ -128,9 +128,7 @@ class RowBook:
     def visible(self, query: np.ndarray, window: int | None) -> np.ndarray:
         """``[rows, queries, columns]``: which columns each query of the last block reads (its
         row's held positions up to its own, within ``window`` positions back when one is given)."""
-        distance = query[:, :, None] - self.positions[:, None, :]
-        allowed = self.valid[:, None, :] & (distance >= 0)
-        return allowed & (distance < window) if window is not None else allowed
+        return visible_columns(query, self.positions, self.valid, window)
 
     def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
         """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now:
@@ -152,6 +150,16 @@ class RowBook:
         self.positions = np.take_along_axis(self.positions, order, axis=1)
         self.valid = np.arange(longest)[None, :] < counts[:, None]
         return order
+
+
+def visible_columns(query, positions, valid, window: int | None):
+    """``[rows, queries, columns]``: whether query ``q`` of row ``r`` (at position ``query[r, q]``)
+    reads column ``c`` (``valid[r, c]``, holding ``positions[r, c]``): its row's held positions up
+    to its own, within ``window`` positions back when one is given. Any array library with numpy's
+    broadcasting (the backends build it on their device from the book's arrays)."""
+    distance = query[:, :, None] - positions[:, None, :]
+    allowed = valid[:, None, :] & (distance >= 0)
+    return allowed & (distance < window) if window is not None else allowed
 
 
 class FlatBook:
@@ -200,9 +208,8 @@ class FlatBook:
 
     def visible(self, query: np.ndarray, owner: np.ndarray, window: int | None) -> np.ndarray:
         """``[tokens, columns]``: which columns each token of the last block reads."""
-        distance = query[:, None] - self.positions[None, :]
-        allowed = self.valid[None, :] & (self.owner[None, :] == owner[:, None]) & (distance >= 0)
-        return allowed & (distance < window) if window is not None else allowed
+        allowed = visible_columns(query[None], self.positions[None], self.valid[None], window)[0]
+        return allowed & (self.owner[None, :] == owner[:, None])
 
     def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
         """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
-from speculant.core.batch import BatchedTarget, RowBook
+from speculant.core.batch import BatchedTarget, RowBook, visible_columns
 from speculant.core.types import Capture, ForwardOutput
 
 
@@ -201,7 +201,10 @@ class MLXBatch(BatchedTarget):
             ids[row, : len(block)] = block
         query = book.open_block([len(block) for block in blocks])
         attention = _attention(layers)
-        masks = {window: mx.array(book.visible(query, window))[:, None] for window in {a.window for a in attention}}
+        # built on the device from the book's arrays, not on the host
+        query_d, positions, valid = mx.array(query), mx.array(book.positions), mx.array(book.valid)
+        masks = {window: visible_columns(query_d, positions, valid, window)[:, None]
+                 for window in {a.window for a in attention}}
         for layer in attention:
             layer.offset, layer.mask = mx.array(query[:, 0]), masks[layer.window]
         recorder = self.target._recorder

@@ -42,7 +42,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from speculant.backends.torch.growing import GrowingLayer
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.core.batch import BatchedTarget, RowBook
+from speculant.core.batch import BatchedTarget, RowBook, visible_columns
 from speculant.core.types import Capture, ForwardOutput
 
 LINEAR = "linear_attention"
@@ -125,9 +125,11 @@ class TorchBatch(BatchedTarget):
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = torch.as_tensor(list(block), device=self._device)
         query = self.book.open_block(widths)
-        mask = self._mask(lambda window: self.book.visible(query, window))
+        query_t, positions, valid = (torch.from_numpy(a).to(self._device)
+                                     for a in (query, self.book.positions, self.book.valid))
+        mask = self._mask(lambda window: visible_columns(query_t, positions, valid, window))
         logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0, attention_mask=mask,
-                                                position_ids=torch.from_numpy(query).to(self._device))
+                                                position_ids=query_t)
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
                               final_hidden=_row(final, row, width))
                 for row, width in enumerate(widths)]
@@ -162,11 +164,12 @@ class TorchBatch(BatchedTarget):
 
     def _mask(self, visible):
         """The additive mask ``[rows, 1, widest, columns]`` per attention kind (the block's
-        columns included), from ``visible(window)`` (its booleans ``[rows, widest, columns]``); one
-        tensor for one kind, else a dict by ``layer_types`` name."""
+        columns included), from ``visible(window)`` (its booleans ``[rows, widest, columns]`` on the
+        batch's device: built there, not on the host); one tensor for one kind, else a dict by
+        ``layer_types`` name."""
         dtype = self.target.model.dtype
         zero, blocked = torch.zeros((), dtype=dtype, device=self._device), torch.finfo(dtype).min
-        masks = {kind: torch.where(torch.from_numpy(visible(window)).to(self._device), zero, blocked)[:, None]
+        masks = {kind: torch.where(visible(window), zero, blocked)[:, None]
                  for kind, window in self._windows.items()}
         if self._hybrid:
             masks[LINEAR] = None  # padding follows each row's tokens: it moves only states the crop drops
