@@ -53,7 +53,8 @@ class TorchFlatBatch(TorchBatch):
         widths = self._checked_widths(blocks)
         ids = torch.as_tensor([token for block in blocks for token in block], device=self._device)[None]
         query, owner = self.book.open_block(widths)
-        mask = self._mask(lambda window: torch.from_numpy(self.book.visible(query, owner, window)).to(self._device)[None])
+        device = self._device
+        mask = self._mask(lambda window: torch.from_numpy(self.book.visible(query, owner, window)).to(device)[None])
         logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0, attention_mask=mask,
                                                 position_ids=torch.from_numpy(query).to(self._device)[None])
         starts = [0, *torch.tensor(widths).cumsum(0).tolist()]
