@@ -52,9 +52,27 @@ class BatchedTarget(ABC):
         """Prefill a new sequence ``key`` and add it as the last row: logits of its last prompt
         position, captured states of every one. Only between cycles."""
 
-    @abstractmethod
     def leave(self, key: Hashable) -> None:
         """Drop sequence ``key`` and its cache rows. Only between cycles."""
+        self._between_cycles("leave")
+        row = self.keys.index(key)
+        del self.keys[row]
+        if not self.keys:
+            self._empty()
+            return
+        self._drop_row(row)
+
+    @abstractmethod
+    def _empty(self) -> None:
+        """Start over with no sequence: empty caches and bookkeeping."""
+
+    @abstractmethod
+    def _drop_row(self, row: int) -> None:
+        """Drop row ``row``'s cache and bookkeeping (``keys`` no longer has it; some rows remain)."""
+
+    def _between_cycles(self, what: str) -> None:
+        if self.book.block is not None:
+            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
 
     @abstractmethod
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:

@@ -158,13 +158,7 @@ class MLXBatch(BatchedTarget):
         self._settle(logits)
         return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
 
-    def leave(self, key: Hashable) -> None:
-        self._between_cycles("leave")
-        row = self.keys.index(key)
-        del self.keys[row]
-        if not self.keys:
-            self._empty()
-            return
+    def _drop_row(self, row: int) -> None:
         kept = mx.array([i for i in range(len(self.keys) + 1) if i != row])
         for layer in _attention(self.layers):
             layer.gather(kept, axis=0)
@@ -188,10 +182,6 @@ class MLXBatch(BatchedTarget):
             self._compact()
         for layer in _deltas(self.layers):
             layer.keep_rows([length - first for length, first in zip(lengths, before)])
-
-    def _between_cycles(self, what: str) -> None:
-        if self.book.block is not None:
-            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
 
     def _forward(self, blocks: Sequence[Sequence[int]], layers: list[RowsCache], book: RowBook, capture: Capture):
         """One forward of ``blocks`` (right-padded with 0, masked) after ``layers``' rows."""

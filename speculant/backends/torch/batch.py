@@ -101,13 +101,7 @@ class TorchBatch(BatchedTarget):
         return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
 
     @torch.inference_mode()
-    def leave(self, key: Hashable) -> None:
-        self._between_cycles("leave")
-        row = self.keys.index(key)
-        del self.keys[row]
-        if not self.keys:
-            self._empty()
-            return
+    def _drop_row(self, row: int) -> None:
         kept = torch.tensor([i for i in range(len(self.keys) + 1) if i != row], device=self._device)
         for layer in _attention_layers(self.cache):
             layer.keys, layer.values = layer.keys.index_select(0, kept), layer.values.index_select(0, kept)
@@ -143,10 +137,6 @@ class TorchBatch(BatchedTarget):
         if self._hybrid:
             _keep_linear(self.cache, [length - first for length, first in zip(lengths, before)], widest)
             self.cache.block_states.clear()
-
-    def _between_cycles(self, what: str) -> None:
-        if self.book.block is not None:
-            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
 
     def _forward(self, ids: torch.Tensor, cache, capture: Capture, logits_to_keep: int, **inputs):
         target = self.target

@@ -12,7 +12,7 @@ layer keeps a state per sequence, which a single row cannot hold.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -37,13 +37,7 @@ class TorchFlatBatch(TorchBatch):
         self.book = FlatBook(self.compact_at)
 
     @torch.inference_mode()
-    def leave(self, key: Hashable) -> None:
-        self._between_cycles("leave")
-        row = self.keys.index(key)
-        del self.keys[row]
-        if not self.keys:
-            self._empty()
-            return
+    def _drop_row(self, row: int) -> None:
         self.book.drop_row(row)
         self._compact()
 
