@@ -39,6 +39,7 @@ class BatchPlan:
         self.explore_every = EXPLORE_EVERY
         self._explore_at = EXPLORE_EVERY  # the cycle of the next exploration
         self._explored = 0
+        self._memo: dict = {}  # seconds read off the samples, until the next observation
         self._drafted_since = True  # the plan gave some row drafts since the last exploration (or none was made)
         self._submitted = np.zeros(0)  # pooled over every request's cycles
         self._accepted = np.zeros(0)
@@ -53,11 +54,18 @@ class BatchPlan:
         """One batched cycle: its rows, the tokens its forward computed (padding included), its
         seconds, and its draft call: the rows it drafted and its seconds (within ``seconds``)."""
         self.cycles += 1
+        self._memo.clear()
         if drafted:
             self.draft_samples.append((drafted, draft_seconds))
         self.samples.append((rows, tokens, max(seconds - draft_seconds, 1e-9)))
 
     def draft_seconds(self, rows: int) -> float:
+        key = ("draft", rows)
+        if key not in self._memo:
+            self._memo[key] = self._draft_seconds(rows)
+        return self._memo[key]
+
+    def _draft_seconds(self, rows: int) -> float:
         """The draft call's seconds for ``rows`` drafting rows (0 for none), as measured: read off
         the row counts seen at least ``STEADY`` times (one slow call must not price a count), a
         fitted line (never falling) while fewer than two are, one call's median while only one
@@ -95,6 +103,12 @@ class BatchPlan:
         return 0.0, float(np.median(seconds / np.maximum(tokens, 1)))
 
     def seconds(self, rows: int, tokens: float) -> float:
+        key = ("forward", rows, tokens)
+        if key not in self._memo:
+            self._memo[key] = self._seconds(rows, tokens)
+        return self._memo[key]
+
+    def _seconds(self, rows: int, tokens: float) -> float:
         """A forward's seconds over ``tokens`` computed tokens: interpolated between the measured
         ones (rarely a straight line: wider matrix products run faster per token), extended
         along the last segment past them; the fitted line while fewer than two are known."""
@@ -207,8 +221,8 @@ class BatchPlan:
         where nothing is known yet)."""
         sub, acc = _padded(self._submitted, room), _padded(self._accepted, room)
         for stats in live:
-            sub = sub + _padded(np.asarray(stats.submitted_per_position, float), room)
-            acc = acc + _padded(np.asarray(stats.accepted_per_position, float), room)
+            sub += _padded(stats.submitted_per_position, room)
+            acc += _padded(stats.accepted_per_position, room)
         return np.where(sub > 0, acc / np.maximum(sub, 1), 0.5 ** np.arange(1, room + 1))
 
 
@@ -216,8 +230,12 @@ def _verified(stats: GenerationStats) -> int:
     return stats.submitted_per_position[0] if stats.submitted_per_position else 0
 
 
-def _padded(values: np.ndarray, n: int) -> np.ndarray:
-    return np.pad(values[:n], (0, max(0, n - values.size)))
+def _padded(values, n: int) -> np.ndarray:
+    """The first ``n`` of ``values`` (a sequence of numbers), zeros after its end."""
+    out = np.zeros(n)
+    kept = min(n, len(values))
+    out[:kept] = values[:kept]
+    return out
 
 
 def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
