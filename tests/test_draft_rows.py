@@ -10,7 +10,6 @@ recorded rng). Every case runs on PyTorch (``torch_rows.py``) and MLX (``mlx_row
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 
@@ -22,6 +21,7 @@ from speculant.core.interfaces import Drafter  # noqa: E402
 from speculant.drafters.dflash import torch_rows, visibility  # noqa: E402
 from speculant.testing.tiny import build_tiny_dflash  # noqa: E402
 from test_drafter_fork import BACKENDS, HAS_MLX, load, model_drafter, pairs, proposed, same, solo  # noqa: E402,F401
+from row_replay import replay_rounds  # noqa: E402
 
 ROWS = {"torch": torch_rows, "mlx": importlib.import_module("speculant.drafters.dflash.mlx_rows") if HAS_MLX else None}
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [40, 41, 3, 17, 90] * 3 + [8, 12], [11, 12, 13], [70, 3, 71, 4, 72, 5, 9, 9, 30, 31, 2]]
@@ -54,32 +54,16 @@ def recordings(engine, prompts, sampled: bool) -> list[list[tuple]]:
 
 
 def replay_in_rows(engine, calls: list[list[tuple]], ask=None, narrower: bool = False) -> list[list[tuple]]:
-    """Replay every recording into its own fork (the engine's drafter for the first), the
-    proposals of each round through one ``ask(drafters, requests)`` (default: the engine
-    drafter's ``propose_rows``). ``narrower``: odd rows ask for one token fewer than they did.
-    Returns each round's (row, proposed, recorded) triples."""
-    ops, ask = engine.backend.ops, ask or engine.drafter.propose_rows
-    drafters = [engine.drafter] + [engine.drafter.fork() for _ in calls[1:]]
-    at, rounds = [0] * len(calls), []
-    while True:
-        asking = []
-        for r, recorded in enumerate(calls):
-            while at[r] < len(recorded) and recorded[at[r]][0] != "propose":
-                name, args, _ = recorded[at[r]]
-                getattr(drafters[r], name)(*copy.deepcopy(args))
-                at[r] += 1
-            if at[r] < len(recorded):
-                asking.append(r)
-        if not asking:
-            return rounds
-        requests = [copy.deepcopy(calls[r][at[r]][1][0]) for r in asking]
-        for r, request in zip(asking, requests):
-            if narrower and r % 2 and request.num_tokens > 1:
-                request.num_tokens -= 1
-        got = ask([drafters[r] for r in asking], requests)
-        rounds.append([(r, proposed(ops, draft), calls[r][at[r]][2]) for r, draft in zip(asking, got)])
-        for r in asking:
-            at[r] += 1
+    """``row_replay.replay_rounds`` through ``ask`` (default: the engine drafter's
+    ``propose_rows``); ``narrower``: odd rows ask for one token fewer than they did. Returns each
+    round's (row, proposed, recorded) triples."""
+    ops = engine.backend.ops
+
+    def narrow(r: int, wanted: int) -> int:
+        return wanted - 1 if narrower and r % 2 and wanted > 1 else wanted
+
+    rounds = replay_rounds(engine, calls, ask or engine.drafter.propose_rows, narrow)
+    return [[(r, proposed(ops, draft), recorded) for r, draft, recorded, _ in rows] for rows in rounds]
 
 
 def assert_recorded(rounds: list[list[tuple]]) -> None:

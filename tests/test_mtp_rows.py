@@ -13,7 +13,6 @@ MLX's strict loader), on PyTorch and eager MLX; compiled MLX steps go one by one
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 
@@ -28,6 +27,7 @@ from speculant.drafters.mtp import rows as mtp_rows, torch_rows  # noqa: E402
 from speculant.testing.tiny_mtp import build_bigram_target  # noqa: E402
 from speculant.testing.tiny_mtp_families import build_family_mtp  # noqa: E402
 from test_drafter_fork import solo  # noqa: E402
+from row_replay import replay_rounds  # noqa: E402
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
 MLX = [pytest.mark.mlx, pytest.mark.skipif(not HAS_MLX, reason="needs mlx and mlx-lm")]
@@ -67,32 +67,12 @@ def drafted(ops, draft) -> tuple[list[int], np.ndarray | None]:
 
 
 def replay_in_rows(engine, calls: list[list[tuple]], ask) -> list[list[tuple]]:
-    """Replay every recording into its own fork (the engine's drafter for the first), each
-    round's proposals through one ``ask(drafters, requests)``, row r asking r mod 3 tokens fewer
-    (at least one). Returns each round's (row, drafted, recorded tokens, narrowed) tuples."""
+    """``row_replay.replay_rounds`` through ``ask``, row r asking r mod 3 tokens fewer (at least
+    one). Returns each round's (row, drafted, recorded tokens, narrowed) tuples."""
     ops = engine.backend.ops
-    drafters = [engine.drafter] + [engine.drafter.fork() for _ in calls[1:]]
-    at, rounds = [0] * len(calls), []
-    while True:
-        asking = []
-        for r, recorded in enumerate(calls):
-            while at[r] < len(recorded) and recorded[at[r]][0] != "propose":
-                name, args, _ = recorded[at[r]]
-                getattr(drafters[r], name)(*copy.deepcopy(args))
-                at[r] += 1
-            if at[r] < len(recorded):
-                asking.append(r)
-        if not asking:
-            return rounds
-        requests = [copy.deepcopy(calls[r][at[r]][1][0]) for r in asking]
-        wanted = [request.num_tokens for request in requests]
-        for r, request in zip(asking, requests):
-            request.num_tokens = max(1, request.num_tokens - r % 3)
-        got = ask([drafters[r] for r in asking], requests)
-        rounds.append([(r, drafted(ops, draft), calls[r][at[r]][2][0], request.num_tokens < want)
-                       for r, draft, request, want in zip(asking, got, requests, wanted)])
-        for r in asking:
-            at[r] += 1
+    rounds = replay_rounds(engine, calls, ask, lambda r, wanted: max(1, wanted - r % 3))
+    return [[(r, drafted(ops, draft), recorded[0], max(1, want - r % 3) < want)
+             for r, draft, recorded, want in rows] for rows in rounds]
 
 
 def one_by_one(drafters, requests):
