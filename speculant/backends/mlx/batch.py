@@ -25,9 +25,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from speculant.backends.mlx import batch_rows as rows
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
-from speculant.core.batch import BatchedTarget, RowBook
+from speculant.core.batch import BatchedTarget, Restored, RowBook
+from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
 
@@ -95,26 +97,13 @@ class MLXBatch(BatchedTarget):
         return [DeltaCache(len(c.cache)) if isinstance(c, DeltaCache)
                 else RowsCache(c.window if isinstance(c, WindowKVCache) else None) for c in self._kinds]
 
-    @property
-    def lengths(self) -> list[int]:
-        return self.book.lengths.tolist()
-
-    def lengths_before_block(self) -> list[int]:
-        if self.book.block is None:
-            raise RuntimeError("no block was verified since the last crop")
-        return self.book.block[0].tolist()
-
-    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
-        if key in self.keys:
-            raise ValueError(f"sequence {key!r} is already in the batch")
-        self._between_cycles("join")
-        if len(token_ids) == 0:
-            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
-        solo, book = self._new_layers(), RowBook()
-        book.add_row(0)
+    def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        start = 0 if restored is None else restored[1]
+        solo, book = self._new_layers() if restored is None else rows.restored(self, *restored), RowBook()
+        book.add_row(start)
         features, finals = [], []
-        for start in range(0, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
-            logits, f, h = self._forward([list(token_ids[start:start + PREFILL_STEP])], solo, book, capture)
+        for at in range(start, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
+            logits, f, h = self._forward([list(token_ids[at:at + PREFILL_STEP])], solo, book, capture)
             features.append(_row(f, 0))
             finals.append(_row(h, 0))
             mx.eval([logits] + _arrays(solo) + [a for a in (f, h) if a is not None])
@@ -126,9 +115,16 @@ class MLXBatch(BatchedTarget):
                 layer.cache = list(new.cache)
             else:
                 layer.extend(new)
-        self.keys.append(key)
         self._settle(logits)
         return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
+
+    def can_restore(self, snapshot: CacheSnapshot) -> bool:
+        return rows.restorable(snapshot)
+
+    def snapshot(self, key: Hashable) -> CacheSnapshot | None:
+        if self.target._static is not None:  # the target's requests run on its compiled static caches
+            return None
+        return rows.snapshot(self, self.keys.index(key))
 
     def leave(self, key: Hashable) -> None:
         self._between_cycles("leave")
@@ -164,10 +160,6 @@ class MLXBatch(BatchedTarget):
             self._compact()
         for layer in _deltas(self.layers):
             layer.keep_rows([length - first for length, first in zip(lengths, before)])
-
-    def _between_cycles(self, what: str) -> None:
-        if self.book.block is not None:
-            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
 
     def _forward(self, blocks: Sequence[Sequence[int]], layers: list[RowsCache], book: RowBook, capture: Capture):
         """One forward of ``blocks`` (right-padded with 0, masked) after ``layers``' rows."""

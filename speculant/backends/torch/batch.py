@@ -40,8 +40,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from speculant.backends.torch import batch_rows as rows
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.core.batch import BatchedTarget, RowBook
+from speculant.core.batch import BatchedTarget, Restored, RowBook
+from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
 LINEAR = "linear_attention"
@@ -73,29 +75,33 @@ class TorchBatch(BatchedTarget):
                         for layer in cache.layers]
         return cache
 
-    @property
-    def lengths(self) -> list[int]:
-        return self.book.lengths.tolist()
+    @torch.inference_mode()
+    def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        start = 0 if restored is None else restored[1]
+        ids = self.target.backend.int_array(token_ids[start:])[None, :]
+        if restored is None:
+            solo = self._new_cache()
+            logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1)
+        else:  # the stored positions as a row of their own, then the rest run after them
+            solo, book = rows.restored(self, *restored), RowBook()
+            book.add_row(start)
+            query = book.open_block([len(token_ids) - start])
+            logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1,
+                                                    attention_mask=self._mask(query, book),
+                                                    position_ids=torch.from_numpy(query).to(self._device))
+        _keep_linear(solo, [int(ids.shape[1])], int(ids.shape[1]))
+        self._merge(solo, len(token_ids))
+        return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
 
-    def lengths_before_block(self) -> list[int]:
-        if self.book.block is None:
-            raise RuntimeError("no block was verified since the last crop")
-        return self.book.block[0].tolist()
+    def can_restore(self, snapshot: CacheSnapshot) -> bool:
+        return isinstance(snapshot.state, RollbackCache)  # the eager path's; a static one is laid out otherwise
 
     @torch.inference_mode()
-    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
-        if key in self.keys:
-            raise ValueError(f"sequence {key!r} is already in the batch")
-        self._between_cycles("join")
-        if len(token_ids) == 0:
-            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
-        solo = self._new_cache()
-        ids = self.target.backend.int_array(token_ids)[None, :]
-        logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1)
-        _keep_linear(solo, [len(token_ids)], len(token_ids))
-        self._merge(solo, len(token_ids))
-        self.keys.append(key)
-        return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
+    def snapshot(self, key: Hashable) -> CacheSnapshot | None:
+        steps = self.target._steps
+        if steps is not None and steps.failure is None:  # the target's requests run on its static cache
+            return None
+        return rows.snapshot(self, self.keys.index(key))
 
     @torch.inference_mode()
     def leave(self, key: Hashable) -> None:
@@ -143,10 +149,6 @@ class TorchBatch(BatchedTarget):
             _keep_linear(self.cache, [length - first for length, first in zip(lengths, before)], widest)
             self.cache.block_states.clear()
 
-    def _between_cycles(self, what: str) -> None:
-        if self.book.block is not None:
-            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
-
     def _forward(self, ids: torch.Tensor, cache, capture: Capture, logits_to_keep: int, **inputs):
         target = self.target
         target._recorder.start(capture)
@@ -161,12 +163,13 @@ class TorchBatch(BatchedTarget):
         features, final = target._recorder.finish(capture, batched=True)
         return out.logits, features, final
 
-    def _mask(self, query):
+    def _mask(self, query, book: RowBook | None = None):
         """The additive mask ``[rows, 1, widest, columns]`` per attention kind (the block's
-        columns included); one tensor for one kind, else a dict by ``layer_types`` name."""
-        dtype = self.target.model.dtype
+        columns included) of ``book`` (the batch's); one tensor for one kind, else a dict by
+        ``layer_types`` name."""
+        dtype, book = self.target.model.dtype, book or self.book
         zero, blocked = torch.zeros((), dtype=dtype, device=self._device), torch.finfo(dtype).min
-        masks = {kind: torch.where(torch.from_numpy(self.book.visible(query, window)).to(self._device), zero,
+        masks = {kind: torch.where(torch.from_numpy(book.visible(query, window)).to(self._device), zero,
                                    blocked)[:, None]
                  for kind, window in self._windows.items()}
         if self._hybrid:
