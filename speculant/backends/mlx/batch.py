@@ -122,8 +122,6 @@ class MLXBatch(BatchedTarget):
         return rows.restorable(snapshot)
 
     def snapshot(self, key: Hashable) -> CacheSnapshot | None:
-        if self.target._static is not None:  # the target's requests run on its compiled static caches
-            return None
         return rows.snapshot(self, self.keys.index(key))
 
     def leave(self, key: Hashable) -> None:
