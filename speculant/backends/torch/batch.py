@@ -94,13 +94,10 @@ class TorchBatch(BatchedTarget):
         return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
 
     def can_restore(self, snapshot: CacheSnapshot) -> bool:
-        return isinstance(snapshot.state, RollbackCache)  # the eager path's; a static one is laid out otherwise
+        return rows.restorable(snapshot)
 
     @torch.inference_mode()
     def snapshot(self, key: Hashable) -> CacheSnapshot | None:
-        steps = self.target._steps
-        if steps is not None and steps.failure is None:  # the target's requests run on its static cache
-            return None
         return rows.snapshot(self, self.keys.index(key))
 
     @torch.inference_mode()
