@@ -102,7 +102,8 @@ def cold_runs(path, backend: str, prompts) -> list[list[int]]:
 def assert_rows_as_cold(drafter_rows, cold_rows, prompts) -> None:
     for prompt, _ in prompts:
         got, want = drafter_rows[tuple(prompt)], cold_rows[tuple(prompt)]
-        assert got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-3), f"prompt of {len(prompt)} tokens"
+        assert got.shape == want.shape, f"prompt of {len(prompt)} tokens"
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-3), f"prompt of {len(prompt)} tokens"
 
 
 @pytest.mark.parametrize(("name", "backend"), CASES)

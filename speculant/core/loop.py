@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Hashable, Iterator
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, Dra
                                   Verification)
 
 if TYPE_CHECKING:
+    from speculant.core.batch import BatchedTarget
     from speculant.core.engine import Engine
     from speculant.core.tree import DraftTree
 
@@ -138,7 +139,7 @@ class Loop:
             exc.token_ids = list(self.produced)
             raise
 
-    def into_batch(self, rows, key, capture: Capture) -> list[int]:
+    def into_batch(self, rows: "BatchedTarget", key: Hashable, capture: Capture) -> list[int]:
         """Verify in batch ``rows`` as row ``key`` from now on (core/scheduler.py; ``capture``: the
         rows its forwards capture); trees and drafting ahead end for this request. A new request
         joins from the longest stored prefix of its prompt (prefix_request.py) and returns its

@@ -155,7 +155,7 @@ class PrefixRequest:
         if not self._complete or len(tokens) < 2:
             return
         snapshot = self._snapshot()
-        if snapshot is None:  # this target or batch cannot snapshot (e.g. a compiled static cache)
+        if snapshot is None:  # this target cannot snapshot (e.g. a compiled static cache), or the row is gone
             if self.rows is None:
                 self.active = False
             return
@@ -167,7 +167,6 @@ class PrefixRequest:
         entry = PrefixEntry(tokens, snapshot, _rows(_first(self._features), len(tokens)),
                             _rows(_first(self._final), len(tokens)))
         self.store.store(self.key, entry)
-
 
     def _snapshot(self):
         if self.rows is None:

@@ -67,7 +67,8 @@ def snapshot(batch, row: int) -> CacheSnapshot:
         if isinstance(cache, StaticKVCache):  # rows are positions
             rows = capacity_for(length)
             pad = [(0, 0), (0, 0), (0, rows - length), (0, 0)]
-            cache.keys, cache.values, cache.capacity, cache.written = mx.pad(keys, pad), mx.pad(values, pad), rows, length
+            cache.keys, cache.values = mx.pad(keys, pad), mx.pad(values, pad)
+            cache.capacity, cache.written = rows, length
             continue
         if isinstance(cache, WindowKVCache):  # only the positions the next query can see
             kept = min(length, cache.window - 1)
