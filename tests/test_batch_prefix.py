@@ -149,3 +149,17 @@ def test_batched_requests_store_their_state_for_the_next_turn(family, drafter_ro
         assert request.loop.stats.batched_cycles > 0
     assert solo.token_ids == truth[0] and solo.stats.cached_tokens >= len(turns[0][0]) - 3
     assert_rows_as_cold(drafter_rows, cold_rows, turns)
+
+
+def test_a_request_cancelled_before_its_prefill_stores_nothing(family):
+    """Its caches still hold the previous request's state: stored under its own prompt, that state
+    would be restored into the next request with this prompt."""
+    engine = engine_for(family("qwen3_5"), "torch")
+    before, prompt = list(range(20, 60)), list(range(250, 295))
+    engine.run(prompt_ids=before, max_new_tokens=4, ignore_eos=True)
+    generation = engine.generate(prompt_ids=prompt, max_new_tokens=NEW, ignore_eos=True)
+    generation.cancel()
+    assert list(generation)[-1].stop_reason == "cancelled"
+    result = engine.run(prompt_ids=prompt, max_new_tokens=NEW, ignore_eos=True)
+    assert result.stats.cached_tokens == 0
+    assert result.token_ids == cold_runs(family("qwen3_5"), "torch", [(prompt, NEW)])[0]
