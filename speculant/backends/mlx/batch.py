@@ -7,7 +7,8 @@ nor a mask from its caller: it rotates at ``cache.offset`` and asks the cache fo
 layer's :class:`RowsCache` answers with an ``offset`` array (each row's first block position;
 ``mx.fast.rope`` takes one offset per row) and with the row book's mask. A sequence joins through
 the same forward over a one-row cache of its own (in chunks of ``PREFILL_STEP`` rows, as the
-single-sequence prefill), then becomes a row. Full and sliding-window
+single-sequence prefill; after a stored prefix-cache snapshot's rows where there is one,
+``batch_rows.py``), then becomes a row. Full and sliding-window
 attention (sliding rows kept at full length, masked to the window). Gated DeltaNet layers keep
 the single-sequence ``caches.DeltaCache``, one row per sequence: a verify runs inside
 ``caches.recording`` (each position's recurrent state of every row, and the block's convolution

@@ -1,8 +1,9 @@
 """Several live sequences verified in one forward of a PyTorch target (issue #39, docs/batching.md).
 
 A :class:`TorchBatch` holds the rows of its sequences in one cache of its own, beside the
-target's single-sequence cache. Each sequence joins with its prompt (prefilled alone, then merged
-in as a new row), and between cycles leaves; each cycle :meth:`TorchBatch.verify` runs every
+target's single-sequence cache. Each sequence joins with its prompt, prefilled alone (after the
+rows of a stored prefix-cache snapshot where there is one, ``batch_rows.py``) and merged in as a
+new row, and between cycles leaves; each cycle :meth:`TorchBatch.verify` runs every
 sequence's anchor + drafts (ragged widths) in one forward and :meth:`TorchBatch.crop` rolls each
 sequence back to its own accepted length.
 
