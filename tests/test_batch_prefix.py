@@ -163,3 +163,19 @@ def test_a_request_cancelled_before_its_prefill_stores_nothing(family):
     result = engine.run(prompt_ids=prompt, max_new_tokens=NEW, ignore_eos=True)
     assert result.stats.cached_tokens == 0
     assert result.token_ids == cold_runs(family("qwen3_5"), "torch", [(prompt, NEW)])[0]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_5"])
+def test_requests_sharing_a_system_prompt_checkpoint_it_in_the_batch(family, name, backend):
+    """An agent's requests: one system prompt, different questions, all joining one batch. On a
+    sliding or hybrid target no snapshot of a whole prompt serves another; the second request's
+    join stores one at the end of the shared prefix, and the third resumes from it."""
+    path = family(name)
+    prompts = [(SHARED_A + question, NEW) for question in ([7, 8, 9], [11, 12, 13, 14], [15, 16])]
+    truth = cold_runs(path, backend, prompts)
+    engine = engine_for(path, backend)
+    requests = run_batch(engine, prompts)
+    assert [r.loop.produced for r in requests] == truth
+    assert [r.loop.stats.cached_tokens for r in requests] == [0, 0, len(SHARED_A)]
+    assert all(r.loop.stats.batched_cycles > 0 for r in requests)

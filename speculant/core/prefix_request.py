@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from speculant.core.interfaces import TargetModel
-from speculant.core.prefix_cache import PrefixEntry
+from speculant.core.prefix_cache import CacheSnapshot, PrefixEntry
 from speculant.core.types import Array, Capture, ForwardOutput
 
 if TYPE_CHECKING:
@@ -68,23 +68,41 @@ class PrefixRequest:
         """Join the batch ``rows`` as row ``key``: from the longest stored prefix of the prompt the
         batch can restore, prefilling the rest there (``capture``: the batch's rows this forward);
         the output over the whole prompt, as :meth:`prefill`'s. The row's state is stored from then
-        on. No checkpoint at a shared prefix: a join is one forward."""
+        on. A checkpoint at a shared prefix (see :meth:`prefill`) joins that prefix first, stores
+        it, leaves, and joins again from it."""
         self.rows, self.row_key, self._began = rows, key, True
         if not self.active:
             return rows.join(key, self.prompt, capture)
         found = self.store.lookup(self.key, self.prompt)
-        restored = found if found is not None and rows.can_restore(found[0].snapshot) else None
+        restored = None
+        if found is not None and rows.can_restore(found[0].snapshot):
+            restored = (found[0].snapshot, found[1])
+            self._restored(*found)
         start = 0 if restored is None else restored[1]
+        split = self._checkpoint(start)
         self.store.remember(self.key, self.prompt)
-        out = rows.join(key, self.prompt, capture, None if restored is None else (restored[0].snapshot, start))
-        if restored is not None:
-            self._restored(*restored)
+        if split is not None:
+            kept = list(self._features), list(self._final)
+            checkpoint = self._checkpoint_row(rows, key, capture, restored, split)
+            if checkpoint is None:  # not stored: the whole rest is run after all
+                self._features, self._final = kept
+            else:
+                restored, start = (checkpoint, split), split
+        out = rows.join(key, self.prompt, capture, restored)
         self._take(out, len(self.prompt) - start)
         if not self._complete:  # the batch captured other rows than this request's key: nothing is stored
             return out
         ops = self.engine.backend.ops
         self._features, self._final = _compacted(ops, self._features), _compacted(ops, self._final)
         return ForwardOutput(out.logits, _first(self._features), _first(self._final))
+
+    def _checkpoint_row(self, rows: "BatchedTarget", key: Hashable, capture: Capture, restored, split: int):
+        """Row ``key`` holding the prompt's first ``split`` tokens, stored, then gone again: its snapshot or None."""
+        out = rows.join(key, self.prompt[:split], capture, restored)
+        self._take(out, split - (0 if restored is None else restored[1]))
+        snapshot = self._store(self.prompt[:split])
+        rows.leave(key)
+        return snapshot
 
     def left_batch(self) -> None:
         """Back on the target's own cache (its row is gone)."""
@@ -151,22 +169,24 @@ class PrefixRequest:
         if out.final_hidden is not None:
             self._final.append(out.final_hidden[:rows])
 
-    def _store(self, tokens: tuple[int, ...]) -> None:
+    def _store(self, tokens: tuple[int, ...]) -> "CacheSnapshot | None":
+        """Store the caches as the state after ``tokens``; the snapshot, or None where none was taken."""
         if not self._complete or len(tokens) < 2:
-            return
+            return None
         snapshot = self._snapshot()
         if snapshot is None:  # this target cannot snapshot (e.g. a compiled static cache), or the row is gone
             if self.rows is None:
                 self.active = False
-            return
+            return None
         if len(tokens) < snapshot.length and not snapshot.cuttable:
-            return
+            return None
         ops = self.engine.backend.ops
         self._features = _compacted(ops, self._features)
         self._final = _compacted(ops, self._final)
         entry = PrefixEntry(tokens, snapshot, _rows(_first(self._features), len(tokens)),
                             _rows(_first(self._final), len(tokens)))
         self.store.store(self.key, entry)
+        return snapshot
 
     def _snapshot(self):
         if self.rows is None:
