@@ -13,7 +13,10 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
+
+Restored = tuple[CacheSnapshot, int]  # a stored snapshot, and how many leading prompt tokens it restores
 
 _BATCHED_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -42,15 +45,53 @@ class BatchedTarget(ABC):
         self.target = target
         self.keys = []
 
+    book: "RowBook"
+
     @property
-    @abstractmethod
     def lengths(self) -> list[int]:
         """Each sequence's cache length (positions held), in row order."""
+        return self.book.lengths.tolist()
+
+    def lengths_before_block(self) -> list[int]:
+        """Each sequence's cache length before the last verified block."""
+        if self.book.block is None:
+            raise RuntimeError("no block was verified since the last crop")
+        return self.book.block[0].tolist()
+
+    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture(),
+             restored: Restored | None = None) -> ForwardOutput:
+        """Add sequence ``key`` as the last row, prefilled with ``token_ids``: the logits of its last
+        position, the captured states of every position run. With ``restored`` (a snapshot that
+        :meth:`can_restore` and its length ``n``), the row starts from the snapshot's first ``n``
+        positions and only ``token_ids[n:]`` are run (the output covers those). Only between cycles."""
+        if key in self.keys:
+            raise ValueError(f"sequence {key!r} is already in the batch")
+        self._between_cycles("join")
+        start = 0 if restored is None else restored[1]
+        if len(token_ids) <= start:
+            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token" if not start else
+                             f"sequence {key!r} has no prompt token after its {start} restored ones; give it one more")
+        out = self._join_row(token_ids, capture, restored)
+        self.keys.append(key)
+        return out
 
     @abstractmethod
-    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
-        """Prefill a new sequence ``key`` and add it as the last row: logits of its last prompt
-        position, captured states of every one. Only between cycles."""
+    def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        """:meth:`join`'s work once the arguments are checked: the new row's caches and its output."""
+
+    def can_restore(self, snapshot: CacheSnapshot) -> bool:
+        """Whether :meth:`join` can start a row from ``snapshot`` (one the target took)."""
+        return False
+
+    def snapshot(self, key: Hashable) -> CacheSnapshot | None:
+        """Row ``key``'s caches as a single-sequence snapshot in the format the target's own
+        ``snapshot`` gives, so the prefix store serves it to a request alone or batched; None where
+        this batch cannot make one. Only between cycles."""
+        return None
+
+    def _between_cycles(self, what: str) -> None:
+        if self.book.block is not None:
+            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
 
     def leave(self, key: Hashable) -> None:
         """Drop sequence ``key`` and its cache rows. Only between cycles."""
@@ -78,10 +119,6 @@ class BatchedTarget(ABC):
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
         """Run ``blocks[i]`` (anchor + drafts of ``keys[i]``, one token or more) after each
         sequence's cache, in one forward; per sequence, the logits and captured states of its rows."""
-
-    @abstractmethod
-    def lengths_before_block(self) -> list[int]:
-        """Each sequence's cache length before the last verified block."""
 
     @abstractmethod
     def crop(self, lengths: Sequence[int]) -> None:
@@ -127,6 +164,11 @@ class RowBook:
         row = np.arange(columns) < length
         self.valid = np.concatenate([_pad(self.valid, columns), row[None]], axis=0)
         self.positions = np.concatenate([_pad(self.positions, columns), np.arange(columns)[None]], axis=0)
+
+    def held(self, row: int) -> np.ndarray:
+        """The columns holding row ``row``'s positions, in position order."""
+        columns = np.flatnonzero(self.valid[row])
+        return columns[np.argsort(self.positions[row, columns], kind="stable")]
 
     def drop_row(self, row: int) -> None:
         self.valid = np.delete(self.valid, row, axis=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Hashable, Iterator
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, Dra
                                   Verification)
 
 if TYPE_CHECKING:
+    from speculant.core.batch import BatchedTarget
     from speculant.core.engine import Engine
     from speculant.core.tree import DraftTree
 
@@ -138,19 +139,29 @@ class Loop:
             exc.token_ids = list(self.produced)
             raise
 
-    def into_batch(self) -> list[int]:
-        """Verify in a batch from now on (core/scheduler.py): trees, drafting ahead and the prefix
-        store's recording end for this request. The tokens whose cache its row holds: the prompt
-        and what was emitted but the last (the next anchor)."""
+    def into_batch(self, rows: "BatchedTarget", key: Hashable, capture: Capture) -> list[int]:
+        """Verify in batch ``rows`` as row ``key`` from now on (core/scheduler.py; ``capture``: the
+        rows its forwards capture); trees and drafting ahead end for this request. A new request
+        joins from the longest stored prefix of its prompt (prefix_request.py) and returns its
+        first token; one that ran alone has its row rebuilt from the prompt and what it emitted but
+        the last (the next anchor), and the prefix store's recording ends for it."""
         self.batched = True
         self.trees = self.draft_ahead = False
-        self.prefix.active = False
-        return list(self.prompt_ids) + self.produced[:-1]
+        if self.produced:
+            self.prefix.active = False
+            rows.join(key, list(self.prompt_ids) + self.produced[:-1], capture)
+            return []
+        out = self.prefix.join(rows, key, capture)
+        self.stats.cached_tokens = self.prefix.cached_tokens
+        first = self.first(out)
+        self.prefix.prompt_done()
+        return first
 
     def out_of_batch(self) -> None:
         """Back on the target's own cache, the last of a batch: the cache is rebuilt from the
         prompt and the emitted tokens but the last, and drafting ahead may resume (trees need the
         verifier's per-request choice, kept off)."""
+        self.prefix.left_batch()
         self.e.target.reset()
         self.e.target.prefill(list(self.prompt_ids) + self.produced[:-1])
         self.draft_ahead = self.speculating and self._may_draft_ahead()

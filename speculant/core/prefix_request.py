@@ -5,7 +5,8 @@ so only the rest is prefilled. The drafter is then started as on a cold request:
 captured rows of the prefix joined to the prefill's own (DFlash's pending context features, MTP's
 final hidden states), so every drafter resumes through its own ``prefill`` and none needs a
 snapshot protocol of its own. After the prefill, and again when the request ends, it stores a
-snapshot of the target's caches with the captured rows of every cached position.
+snapshot of the target's caches with the captured rows of every cached position. A request that
+joins a batch (core/scheduler.py) does the same through its row (:meth:`PrefixRequest.join`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from speculant.core.interfaces import TargetModel
-from speculant.core.prefix_cache import PrefixEntry
+from speculant.core.prefix_cache import CacheSnapshot, PrefixEntry
 from speculant.core.types import Array, Capture, ForwardOutput
 
 if TYPE_CHECKING:
+    from speculant.core.batch import BatchedTarget
     from speculant.core.engine import Engine
 
 CHECKPOINT_MIN = 16  # shared tokens worth a snapshot of their own (one more prefill chunk and copy)
@@ -39,6 +41,9 @@ class PrefixRequest:
         self._features: list[Array] = []  # captured rows of every cached position, in order
         self._final: list[Array] = []
         self._complete = True  # every cached position's rows were captured
+        self.rows: "BatchedTarget | None" = None  # the batch whose row ``row_key`` holds this request's caches
+        self.row_key: Hashable = None
+        self._began = False  # the caches hold this request's state (it was prefilled or joined a batch)
 
     # -- the prefill ------------------------------------------------------------------------
     def restore(self) -> int:
@@ -51,10 +56,57 @@ class PrefixRequest:
         entry, length = found
         if not self.engine.target.restore(entry.snapshot, length):
             return 0
+        self._restored(entry, length)
+        return length
+
+    def _restored(self, entry: PrefixEntry, length: int) -> None:
         self.cached_tokens = length
         self._features = [] if entry.features is None else [entry.features[:length]]
         self._final = [] if entry.final_hidden is None else [entry.final_hidden[:length]]
-        return length
+
+    def join(self, rows: "BatchedTarget", key: Hashable, capture: Capture) -> ForwardOutput:
+        """Join the batch ``rows`` as row ``key``: from the longest stored prefix of the prompt the
+        batch can restore, prefilling the rest there (``capture``: the batch's rows this forward);
+        the output over the whole prompt, as :meth:`prefill`'s. The row's state is stored from then
+        on. A checkpoint at a shared prefix (see :meth:`prefill`) joins that prefix first, stores
+        it, leaves, and joins again from it."""
+        self.rows, self.row_key, self._began = rows, key, True
+        if not self.active:
+            return rows.join(key, self.prompt, capture)
+        found = self.store.lookup(self.key, self.prompt)
+        restored = None
+        if found is not None and rows.can_restore(found[0].snapshot):
+            restored = (found[0].snapshot, found[1])
+            self._restored(*found)
+        start = 0 if restored is None else restored[1]
+        split = self._checkpoint(start)
+        self.store.remember(self.key, self.prompt)
+        if split is not None:
+            kept = list(self._features), list(self._final)
+            checkpoint = self._checkpoint_row(rows, key, capture, restored, split)
+            if checkpoint is None:  # not stored: the whole rest is run after all
+                self._features, self._final = kept
+            else:
+                restored, start = (checkpoint, split), split
+        out = rows.join(key, self.prompt, capture, restored)
+        self._take(out, len(self.prompt) - start)
+        if not self._complete:  # the batch captured other rows than this request's key: nothing is stored
+            return out
+        ops = self.engine.backend.ops
+        self._features, self._final = _compacted(ops, self._features), _compacted(ops, self._final)
+        return ForwardOutput(out.logits, _first(self._features), _first(self._final))
+
+    def _checkpoint_row(self, rows: "BatchedTarget", key: Hashable, capture: Capture, restored, split: int):
+        """Row ``key`` holding the prompt's first ``split`` tokens, stored, then gone again: its snapshot or None."""
+        out = rows.join(key, self.prompt[:split], capture, restored)
+        self._take(out, split - (0 if restored is None else restored[1]))
+        snapshot = self._store(self.prompt[:split])
+        rows.leave(key)
+        return snapshot
+
+    def left_batch(self) -> None:
+        """Back on the target's own cache (its row is gone)."""
+        self.rows = self.row_key = None
 
     def prefill(self, start: int) -> ForwardOutput:
         """Prefill the prompt after the ``start`` restored tokens; the output over the whole prompt
@@ -63,6 +115,7 @@ class PrefixRequest:
         Gated DeltaNet), the prefill stops once at the shared prefix's end to store a snapshot
         there, which later prompts sharing it (an agent's system prompt) resume from."""
         target, prompt = self.engine.target, self.prompt
+        self._began = True
         if not self.active:
             return target.prefill(prompt, self.capture)
         split = self._checkpoint(start)
@@ -98,11 +151,11 @@ class PrefixRequest:
     def finished(self, produced: Sequence[int], stop_reason: str) -> None:
         """Store the caches as the request leaves them: the prompt and what was produced,
         less the last token (not yet run through the target)."""
-        if not self.active or stop_reason not in _CLEAN_STOPS:
-            return
+        if not self.active or not self._began or stop_reason not in _CLEAN_STOPS:
+            return  # (not begun: the caches hold another request's state)
         tokens = self.prompt + tuple(int(t) for t in produced)
         # a stop inside the last block leaves rows past the emitted tokens: only a cut target drops them
-        self._store(tokens[: self.engine.target.cache_length])
+        self._store(tokens[: self._held()])
 
     # -- internals -------------------------------------------------------------------------
     def _take(self, out: ForwardOutput, rows: int) -> None:
@@ -116,21 +169,36 @@ class PrefixRequest:
         if out.final_hidden is not None:
             self._final.append(out.final_hidden[:rows])
 
-    def _store(self, tokens: tuple[int, ...]) -> None:
+    def _store(self, tokens: tuple[int, ...]) -> "CacheSnapshot | None":
+        """Store the caches as the state after ``tokens``; the snapshot, or None where none was taken."""
         if not self._complete or len(tokens) < 2:
-            return
-        snapshot = self.engine.target.snapshot()
-        if snapshot is None:  # this target cannot snapshot (e.g. a compiled static cache)
-            self.active = False
-            return
+            return None
+        snapshot = self._snapshot()
+        if snapshot is None:  # this target cannot snapshot (e.g. a compiled static cache), or the row is gone
+            if self.rows is None:
+                self.active = False
+            return None
         if len(tokens) < snapshot.length and not snapshot.cuttable:
-            return
+            return None
         ops = self.engine.backend.ops
         self._features = _compacted(ops, self._features)
         self._final = _compacted(ops, self._final)
         entry = PrefixEntry(tokens, snapshot, _rows(_first(self._features), len(tokens)),
                             _rows(_first(self._final), len(tokens)))
         self.store.store(self.key, entry)
+        return snapshot
+
+    def _snapshot(self):
+        if self.rows is None:
+            return self.engine.target.snapshot()
+        return self.rows.snapshot(self.row_key) if self.row_key in self.rows.keys else None
+
+    def _held(self) -> int:
+        """Positions the request's caches hold."""
+        if self.rows is None:
+            return self.engine.target.cache_length
+        keys = self.rows.keys
+        return self.rows.lengths[keys.index(self.row_key)] if self.row_key in keys else 0
 
 
 def state_key(engine: "Engine", capture: Capture) -> tuple:

@@ -151,8 +151,9 @@ class Scheduler:
             loop.stats.batch_note = str(exc)
 
     def _join(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
-        """Add ``request`` as a row: a new one is prefilled there and emits its first token; one
-        that ran alone has its cache rebuilt there (prompt and emitted tokens) in one forward."""
+        """Add ``request`` as a row: a new one is prefilled there (from the longest stored prefix of
+        its prompt) and emits its first token; one that ran alone has its cache rebuilt there
+        (prompt and emitted tokens) in one forward."""
         loop = request.loop
         if loop.cancelled():
             yield from self._end(request)
@@ -162,8 +163,7 @@ class Scheduler:
             loop.speculating = False
             loop.stats.batch_note = f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests"
         try:
-            out = self.rows.join(request.key, loop.into_batch(), self._capture())
-            new = [] if started else loop.first(out)
+            new = loop.into_batch(self.rows, request.key, self._capture())
         except GenerationError as exc:
             request.error = exc
             loop.stop("error")
@@ -288,6 +288,7 @@ class Scheduler:
     def _end(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
         """``request`` leaves: its row, drafter and verifier state are freed, its last chunk made."""
         self.live.remove(request)
+        final = request.final()  # stores the request's state in the prefix store, from its row if it has one
         if self.rows is not None and request.key in self.rows.keys:
             self.rows.leave(request.key)
         if self.rows is not None and not self.rows.keys:
@@ -298,7 +299,7 @@ class Scheduler:
         self._verifiers.append(loop.verifier)
         if loop.drafter is not None:
             self._drafters.append(loop.drafter)
-        yield request, request.final()
+        yield request, final
 
     def _capture(self) -> Capture:
         speculating = any(r.loop.speculating for r in self.live)

@@ -7,7 +7,8 @@ nor a mask from its caller: it rotates at ``cache.offset`` and asks the cache fo
 layer's :class:`RowsCache` answers with an ``offset`` array (each row's first block position;
 ``mx.fast.rope`` takes one offset per row) and with the row book's mask. A sequence joins through
 the same forward over a one-row cache of its own (in chunks of ``PREFILL_STEP`` rows, as the
-single-sequence prefill), then becomes a row. Full and sliding-window
+single-sequence prefill; after a stored prefix-cache snapshot's rows where there is one,
+``batch_rows.py``), then becomes a row. Full and sliding-window
 attention (sliding rows kept at full length, masked to the window). Gated DeltaNet layers keep
 the single-sequence ``caches.DeltaCache``, one row per sequence: a verify runs inside
 ``caches.recording`` (each position's recurrent state of every row, and the block's convolution
@@ -25,9 +26,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from speculant.backends.mlx import batch_rows as rows
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
-from speculant.core.batch import BatchedTarget, RowBook, visible_columns
+from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
 
@@ -123,26 +126,13 @@ class MLXBatch(BatchedTarget):
         return [DeltaCache(len(c.cache)) if isinstance(c, DeltaCache)
                 else RowsCache(c.window if isinstance(c, WindowKVCache) else None) for c in self._kinds]
 
-    @property
-    def lengths(self) -> list[int]:
-        return self.book.lengths.tolist()
-
-    def lengths_before_block(self) -> list[int]:
-        if self.book.block is None:
-            raise RuntimeError("no block was verified since the last crop")
-        return self.book.block[0].tolist()
-
-    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
-        if key in self.keys:
-            raise ValueError(f"sequence {key!r} is already in the batch")
-        self._between_cycles("join")
-        if len(token_ids) == 0:
-            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
-        solo, book = self._new_layers(), RowBook()
-        book.add_row(0)
+    def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        start = 0 if restored is None else restored[1]
+        solo, book = self._new_layers() if restored is None else rows.restored(self, *restored), RowBook()
+        book.add_row(start)
         features, finals = [], []
-        for start in range(0, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
-            logits, f, h = self._forward([list(token_ids[start:start + PREFILL_STEP])], solo, book, capture)
+        for at in range(start, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
+            logits, f, h = self._forward([list(token_ids[at:at + PREFILL_STEP])], solo, book, capture)
             features.append(_row(f, 0))
             finals.append(_row(h, 0))
             mx.eval([logits] + _arrays(solo) + [a for a in (f, h) if a is not None])
@@ -154,9 +144,14 @@ class MLXBatch(BatchedTarget):
                 layer.cache = list(new.cache)
             else:
                 layer.extend(new)
-        self.keys.append(key)
         self._settle(logits)
         return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
+
+    def can_restore(self, snapshot: CacheSnapshot) -> bool:
+        return rows.restorable(snapshot)
+
+    def snapshot(self, key: Hashable) -> CacheSnapshot | None:
+        return rows.snapshot(self, self.keys.index(key))
 
     def _drop_row(self, row: int) -> None:
         kept = mx.array([i for i in range(len(self.keys) + 1) if i != row])

@@ -1,8 +1,9 @@
 """Several live sequences verified in one forward of a PyTorch target (issue #39, docs/batching.md).
 
 A :class:`TorchBatch` holds the rows of its sequences in one cache of its own, beside the
-target's single-sequence cache. Each sequence joins with its prompt (prefilled alone, then merged
-in as a new row), and between cycles leaves; each cycle :meth:`TorchBatch.verify` runs every
+target's single-sequence cache. Each sequence joins with its prompt, prefilled alone (after the
+rows of a stored prefix-cache snapshot where there is one, ``batch_rows.py``) and merged in as a
+new row, and between cycles leaves; each cycle :meth:`TorchBatch.verify` runs every
 sequence's anchor + drafts (ragged widths) in one forward and :meth:`TorchBatch.crop` rolls each
 sequence back to its own accepted length.
 
@@ -40,9 +41,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from speculant.backends.torch import batch_rows as rows
 from speculant.backends.torch.growing import GrowingLayer
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.core.batch import BatchedTarget, RowBook, visible_columns
+from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
 LINEAR = "linear_attention"
@@ -76,29 +79,30 @@ class TorchBatch(BatchedTarget):
                         for layer in cache.layers]
         return cache
 
-    @property
-    def lengths(self) -> list[int]:
-        return self.book.lengths.tolist()
+    @torch.inference_mode()
+    def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        start = 0 if restored is None else restored[1]
+        ids = self.target.backend.int_array(token_ids[start:])[None, :]
+        if restored is None:
+            solo = self._new_cache()
+            logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1)
+        else:  # the stored positions as a row of their own, then the rest run after them
+            solo, book = rows.restored(self, *restored), RowBook()
+            book.add_row(start)
+            query = book.open_block([len(token_ids) - start])
+            logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1,
+                                                    attention_mask=self._mask(query, book),
+                                                    position_ids=torch.from_numpy(query).to(self._device))
+        _keep_linear(solo, [int(ids.shape[1])], int(ids.shape[1]))
+        self._merge(solo, len(token_ids))
+        return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
 
-    def lengths_before_block(self) -> list[int]:
-        if self.book.block is None:
-            raise RuntimeError("no block was verified since the last crop")
-        return self.book.block[0].tolist()
+    def can_restore(self, snapshot: CacheSnapshot) -> bool:
+        return rows.restorable(snapshot)
 
     @torch.inference_mode()
-    def join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture()) -> ForwardOutput:
-        if key in self.keys:
-            raise ValueError(f"sequence {key!r} is already in the batch")
-        self._between_cycles("join")
-        if len(token_ids) == 0:
-            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token")
-        solo = self._new_cache()
-        ids = self.target.backend.int_array(token_ids)[None, :]
-        logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1)
-        _keep_linear(solo, [len(token_ids)], len(token_ids))
-        self._merge(solo, len(token_ids))
-        self.keys.append(key)
-        return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
+    def snapshot(self, key: Hashable) -> CacheSnapshot | None:
+        return rows.snapshot(self, self.keys.index(key))
 
     @torch.inference_mode()
     def _drop_row(self, row: int) -> None:
@@ -119,11 +123,9 @@ class TorchBatch(BatchedTarget):
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = torch.as_tensor(list(block), device=self._device)
         query = self.book.open_block(widths)
-        query_t, positions, valid = (torch.from_numpy(a).to(self._device)
-                                     for a in (query, self.book.positions, self.book.valid))
-        mask = self._mask(lambda window: visible_columns(query_t, positions, valid, window))
-        logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0, attention_mask=mask,
-                                                position_ids=query_t)
+        logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0,
+                                                attention_mask=self._mask(query),
+                                                position_ids=torch.from_numpy(query).to(self._device))
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
                               final_hidden=_row(final, row, width))
                 for row, width in enumerate(widths)]
@@ -152,11 +154,17 @@ class TorchBatch(BatchedTarget):
         features, final = target._recorder.finish(capture, batched=True)
         return out.logits, features, final
 
-    def _mask(self, visible):
+    def _mask(self, query, book: RowBook | None = None):
         """The additive mask ``[rows, 1, widest, columns]`` per attention kind (the block's
-        columns included), from ``visible(window)`` (its booleans ``[rows, widest, columns]`` on the
-        batch's device: built there, not on the host); one tensor for one kind, else a dict by
+        columns included) of ``book`` (the batch's): built on the device from the book's
+        positions and validity, not on the host; one tensor for one kind, else a dict by
         ``layer_types`` name."""
+        book = book or self.book
+        query, positions, valid = (torch.from_numpy(a).to(self._device) for a in (query, book.positions, book.valid))
+        return self._masks(lambda window: visible_columns(query, positions, valid, window))
+
+    def _masks(self, visible):
+        """The masks from ``visible(window)``: its booleans ``[rows, widest, columns]`` on the device."""
         dtype = self.target.model.dtype
         zero, blocked = torch.zeros((), dtype=dtype, device=self._device), torch.finfo(dtype).min
         masks = {kind: torch.where(visible(window), zero, blocked)[:, None]

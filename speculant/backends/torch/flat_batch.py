@@ -12,7 +12,7 @@ layer keeps a state per sequence, which a single row cannot hold.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -36,6 +36,11 @@ class TorchFlatBatch(TorchBatch):
         self.cache = self._new_cache()
         self.book = FlatBook(self.compact_at)
 
+    def snapshot(self, key: Hashable) -> None:
+        """None: a sequence's columns lie among the others' in the one row (not stored yet; a
+        join still restores from a snapshot the target or a padded batch took)."""
+        return None
+
     @torch.inference_mode()
     def _drop_row(self, row: int) -> None:
         self.book.drop_row(row)
@@ -48,7 +53,7 @@ class TorchFlatBatch(TorchBatch):
         ids = torch.as_tensor([token for block in blocks for token in block], device=self._device)[None]
         query, owner = self.book.open_block(widths)
         device = self._device
-        mask = self._mask(lambda window: torch.from_numpy(self.book.visible(query, owner, window)).to(device)[None])
+        mask = self._masks(lambda window: torch.from_numpy(self.book.visible(query, owner, window)).to(device)[None])
         logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0, attention_mask=mask,
                                                 position_ids=torch.from_numpy(query).to(self._device)[None])
         starts = [0, *torch.tensor(widths).cumsum(0).tolist()]
