@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budgets", default="16,32")
-    p.add_argument("--width", type=int, default=4)
+    p.add_argument("--width", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lookup", action="store_true", help="prompt lookup on in every arm")

@@ -279,3 +279,4 @@ def test_the_tree_verifier_reads_its_shape_options():
     draft = two_row_draft()
     assert TreeVerifier({"budget": 3, "width": 2, "scores": "marginal"}).tree(NP, draft, 0).tokens == (0, 1, 3, 2)
     assert TreeVerifier({"budget": 3, "width": 2}).tree(NP, draft, 0).tokens == (0, 1, 4, 2)  # the default
+    assert TreeVerifier({"scores": "marginal"}).decisions()["scores"] == "marginal"

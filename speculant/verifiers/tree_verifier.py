@@ -20,7 +20,8 @@ class TreeOptions(UserModel):
     """``verifier.options`` of the ``tree`` verifier."""
 
     budget: int = Field(16, ge=1, le=1024, description="drafted nodes per tree (B), the root not counted")
-    width: int = Field(4, ge=1, le=64, description="most candidates per depth (K): the draft's K most probable tokens")
+    width: int = Field(8, ge=1, le=64, description="most candidates per depth (K): the draft's K most probable "
+                       "tokens (with scores = selector: per parent, of the selector's candidates)")
     scores: Literal["marginal", "selector"] = Field(
         "selector", description="what ranks the tree's nodes: the draft's per-position distributions (marginal), or "
         "a path selector's scores of each candidate given its parent (selector: DFlash2's; drafts without them "
@@ -102,7 +103,7 @@ class TreeVerifier(Verifier):
             self.choice.record(kind, len(verification.token_ids), timing.target_s + timing.draft_s + timing.commit_s)
 
     def decisions(self) -> dict:
-        record = {"budget": self.budget, "width": self.width, **self._stats.as_dict()}
+        record = {"budget": self.budget, "width": self.width, "scores": self.shape.scores, **self._stats.as_dict()}
         if self.fallback is not None:
             record["fallback"] = f"chains: {self.fallback}"
         if self.choice is not None:
