@@ -207,3 +207,76 @@ def test_always_verifies_trees_without_timing():
     verifier = TreeVerifier()
     assert not verifier.needs_timings
     assert set(drive_choice(verifier, 10, {"tree": 8e-3, "chain": 1e-3})) == {"tree"}
+
+
+# -- shaping: which nodes get the budget --------------------------------------------------------
+
+def random_path_scores(seed: int, rows: int, k: int, vocab: int):
+    from speculant.drafters.dflash2.selector import ScoreTable
+
+    rng = np.random.default_rng(seed)
+    candidates = np.stack([rng.permutation(vocab)[:k] for _ in range(rows)])
+    return ScoreTable(rng.normal(0, 2, k).astype(np.float32), rng.normal(0, 2, (rows - 1, k, k)).astype(np.float32),
+                      candidates)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_selector_build_keeps_the_budget_most_probable_prefixes_given_each_parent(seed):
+    """Under DFlash2's path scores a candidate's probability depends on its parent's candidate:
+    the tree holds the most probable prefixes of that chain model (brute force over all paths)."""
+    from speculant.verifiers.tree import selector_tree
+
+    rows, k, budget = 3, 4, 15
+    scores = random_path_scores(seed, rows, k, 30)
+    log_mass = [-0.1, -0.5, -0.3]
+
+    def log_q(row: int, parent: int | None) -> np.ndarray:
+        z = (scores.first if row == 0 else scores.pairs[row - 1, parent]).astype(np.float64)
+        return z - np.log(np.exp(z).sum()) + log_mass[row]
+
+    paths = {}
+    for length in range(1, rows + 1):
+        for slots in itertools.product(range(k), repeat=length):
+            logp = sum(log_q(t, slots[t - 1] if t else None)[j] for t, j in enumerate(slots))
+            paths[tuple(int(scores.candidates[t, j]) for t, j in enumerate(slots))] = logp
+    best = sorted(paths, key=paths.get, reverse=True)[:budget]
+    tree = selector_tree(0, scores, log_mass, budget, k)
+    assert {tuple(tree.tokens[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.size)} == set(best)
+    assert all(p < i for i, p in enumerate(tree.parents))
+
+
+def two_row_draft():
+    """Marginals rank 1 over 2 (row 0) and 3 over 4 (row 1); DFlash2's selector says 4 follows 1
+    and 3 follows 2."""
+    from speculant.core.types import Draft
+    from speculant.drafters.dflash2.selector import ScoreTable
+
+    logits = np.full((2, 10), -9.0, dtype=np.float32)
+    logits[0, [1, 2]] = [3.0, 2.0]
+    logits[1, [3, 4]] = [3.0, 2.0]
+    scores = ScoreTable(np.array([3.0, 2.0], dtype=np.float32),
+                        np.array([[[-5.0, 5.0], [5.0, -5.0]]], dtype=np.float32), np.array([[1, 2], [3, 4]]))
+    return Draft(NP.asarray(np.array([1, 4])), 2, logits=logits, path_scores=scores)
+
+
+def test_selector_scores_put_the_selectors_child_first():
+    from speculant.core.types import Draft
+    from speculant.verifiers.tree import TreeShape, draft_tree
+
+    draft = two_row_draft()
+    marginal, _ = draft_tree(NP, draft, 0, 3, 2, TreeShape(scores="marginal"))
+    selected, _ = draft_tree(NP, draft, 0, 3, 2, TreeShape(scores="selector"))
+    assert marginal.tokens == (0, 1, 3, 2) and marginal.parents == (-1, 0, 1, 0)
+    assert selected.tokens == (0, 1, 4, 2) and selected.parents == (-1, 0, 1, 0)
+    # a draft without path scores keeps the marginal tree
+    plain = Draft(draft.token_ids, 2, logits=draft.logits)
+    assert draft_tree(NP, plain, 0, 3, 2, TreeShape(scores="selector"))[0] == marginal
+
+
+def test_the_tree_verifier_reads_its_shape_options():
+    from speculant.verifiers.tree_verifier import TreeVerifier
+
+    draft = two_row_draft()
+    assert TreeVerifier({"budget": 3, "width": 2, "scores": "marginal"}).tree(NP, draft, 0).tokens == (0, 1, 3, 2)
+    assert TreeVerifier({"budget": 3, "width": 2}).tree(NP, draft, 0).tokens == (0, 1, 4, 2)  # the default
+    assert TreeVerifier({"scores": "marginal"}).decisions()["scores"] == "marginal"

@@ -267,10 +267,10 @@ def real_pair(tmp_path_factory, torch_threads):
             "dflash2": build_tiny_dflash2(root / "dflash2", target, seed=7, block_size=8, conv_scale=0.1)}
 
 
-def real_engine(pair, kind, backend, budget=16, width=3):
+def real_engine(pair, kind, backend, budget=16, width=3, **shape):
     return speculant.load_engine({"backend": backend_config(backend), "target": {"path": str(pair["target"])},
                                   "drafter": {"kind": kind, "path": str(pair[kind])},
-                                  "verifier": {"kind": "tree", "options": {"budget": budget, "width": width}}})
+                                  "verifier": {"kind": "tree", "options": {"budget": budget, "width": width, **shape}}})
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
@@ -281,6 +281,16 @@ def test_dflash_and_dflash2_trees_equal_plain_greedy(real_pair, kind, backend):
     assert result.token_ids == plain
     record = result.stats.verifier
     assert record["trees"] > 0 and record["mean_accepted_depth"] > 0, record
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_dflash2_trees_shaped_by_its_marginals_equal_plain_greedy(real_pair, backend):
+    """The default shapes DFlash2 trees by its path selector (the test above); the marginals too."""
+    plain = plain_tokens(real_pair["target"], backend)
+    shaped = real_engine(real_pair, "dflash2", backend, scores="marginal")
+    result = run(shaped)
+    assert result.token_ids == plain
+    assert result.stats.verifier["trees"] > 0 and result.stats.verifier["mean_accepted_depth"] > 0
 
 
 @pytest.mark.mlx
@@ -315,6 +325,11 @@ def test_a_measured_choice_between_tree_and_chain_stays_identical_to_plain(real_
 def test_first_sampled_tree_tokens_follow_the_target_at_temperature_0_8(real_pair, backend):
     assert_second_token_follows_the_target(real_engine(real_pair, "dflash", backend, budget=8, width=3),
                                            real_pair["target"])
+
+
+def test_first_sampled_tokens_of_selector_shaped_trees_follow_the_target_at_temperature_0_8(real_pair):
+    engine = real_engine(real_pair, "dflash2", "torch", budget=8, width=3)  # shaped by the selector (default)
+    assert_second_token_follows_the_target(engine, real_pair["target"])
 
 
 def test_first_sampled_tree_tokens_of_a_hybrid_follow_the_target_at_temperature_0_8(tmp_path, torch_threads):

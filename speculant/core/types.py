@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 Array = Any  # a backend array (torch.Tensor, mlx.core.array, numpy.ndarray)
 
@@ -38,6 +38,17 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+class PathScores(Protocol):
+    """Host float32 scores of a block's candidates given the candidate before them (DFlash2's
+    selector table): ``first`` [K] the row-0 candidates after the anchor; ``pairs`` [k-1, K, K],
+    ``pairs[t-1, i, j]`` candidate j of row t after candidate i of row t-1; ``candidates`` [k, K]
+    the candidates' token ids."""
+
+    first: Any
+    pairs: Any
+    candidates: Any
+
+
 @dataclass
 class Draft:
     """Tokens proposed for one cycle.
@@ -49,6 +60,8 @@ class Draft:
     distribution at every position (what a tree verifier builds its tree from), or None.
     ``branch_ids`` (host ints): a prompt-lookup copy offered beside this draft, which a tree
     verifier adds to its tree as one more path (docs/tree-verification.md), or None.
+    ``path_scores``: a drafter's scores of each row's candidates given the token chosen at the row
+    before (DFlash2's candidate path selector), which a tree verifier may shape its tree by, or None.
     """
 
     token_ids: Array
@@ -59,6 +72,7 @@ class Draft:
     source: DraftSource = DraftSource.MODEL
     logits: Array | None = None
     branch_ids: tuple[int, ...] | None = None
+    path_scores: "PathScores | None" = None
 
     @property
     def kind(self) -> ProposalKind:
@@ -79,6 +93,7 @@ class Draft:
             source=self.source,
             logits=None if self.logits is None else self.logits[:k],
             branch_ids=None if self.branch_ids is None else self.branch_ids[:k],
+            path_scores=self.path_scores,  # readers take the rows they verify
         )
 
 

@@ -4,7 +4,10 @@
 not conditioned on the path). The tree keeps the ``budget`` most probable prefixes under
 Q(y) = prod q_d(y_d): a best-first heap over path log-probabilities on rank tuples, seeded with
 rank 0 at depth 1; each pop adds a node and pushes its next sibling and its first child. Only the
-``width`` most probable tokens per depth can appear (:func:`top_candidates`).
+``width`` most probable tokens per depth can appear (:func:`top_candidates`). A draft with path
+scores (DFlash2's candidate selector: each candidate scored given the one before it) gets the
+same heap over that chain model instead (:func:`selector_tree`, ``TreeShape``): measured on the
+real pair it accepts more than the marginals (docs/tree-verification.md).
 
 **Verifying: sample and match.** The target picks a token at *every* node (its argmax at
 temperature 0, a draw from its processed distribution otherwise); from the root the walk descends
@@ -19,13 +22,16 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.sampling import inverse_cdf, target_probs
 from speculant.core.tree import DraftTree, with_branch
-from speculant.core.types import Draft, SamplingParams, Verification
+from speculant.core.types import Draft, PathScores, SamplingParams, Verification
 from speculant.verifiers.acceptance import _raise_non_finite, fetch, verify_rows
 
 
@@ -48,37 +54,95 @@ def top_candidates(ops: ArrayOps, logits: Array, width: int) -> tuple[list[list[
     return top_ids, top_logprobs
 
 
-def build_tree(anchor_id: int, top_ids: list[list[int]], top_logprobs: list[list[float]], budget: int) -> DraftTree:
-    """The ``budget`` most probable prefixes (root not counted) of the per-depth candidates,
-    in the order the heap pops them (every parent before its children)."""
+# (row, state of the parent) -> the row's candidates after that parent, most probable first, as
+# (token, log-probability, state of the child); the root's state is -1
+Children = Callable[[int, int], list[tuple[int, float, int]]]
+
+
+def best_first(anchor_id: int, rows: int, children: Children, budget: int) -> DraftTree:
+    """The ``budget`` most probable paths (root not counted) of a model whose candidates at each
+    row may depend on the parent (``children``), in the order a best-first heap pops them: each
+    pop adds a node and pushes its next sibling and its first child, so parents come first."""
     tokens, parents = [anchor_id], [-1]
-    if not top_ids or budget <= 0:
-        return DraftTree(tuple(tokens), tuple(parents))
-    # entries: (-path log-prob, rank tuple, parent node); the rank tuple breaks ties deterministically
-    heap: list[tuple[float, tuple[int, ...], int]] = [(-top_logprobs[0][0], (0,), 0)]
+    first = children(0, -1) if rows > 0 and budget > 0 else []
+    # entries: (-path log-prob, rank tuple, parent node, the parent's ranked children); the rank
+    # tuple names the prefix, so it breaks ties deterministically and the rest is never compared
+    heap: list[tuple[float, tuple[int, ...], int, list]] = [(-first[0][1], (0,), 0, first)] if first else []
     while heap and len(tokens) - 1 < budget:
-        negative, ranks, parent = heapq.heappop(heap)
+        negative, ranks, parent, options = heapq.heappop(heap)
         if negative == math.inf:
             break  # only zero-probability prefixes are left
-        depth, rank, score = len(ranks) - 1, ranks[-1], -negative
+        row, rank, score = len(ranks) - 1, ranks[-1], -negative
+        token, logprob, state = options[rank]
         node = len(tokens)
-        tokens.append(top_ids[depth][rank])
+        tokens.append(token)
         parents.append(parent)
-        if rank + 1 < len(top_ids[depth]):
-            sibling = score - top_logprobs[depth][rank] + top_logprobs[depth][rank + 1]
-            heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent))
-        if depth + 1 < len(top_ids):
-            heapq.heappush(heap, (-(score + top_logprobs[depth + 1][0]), ranks + (0,), node))
+        if rank + 1 < len(options):
+            heapq.heappush(heap, (-(score - logprob + options[rank + 1][1]), ranks[:-1] + (rank + 1,), parent, options))
+        if row + 1 < rows:
+            below = children(row + 1, state)
+            if below:
+                heapq.heappush(heap, (-(score + below[0][1]), ranks + (0,), node, below))
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def draft_tree(ops: ArrayOps, draft: Draft, anchor_id: int, budget: int, width: int) -> tuple[DraftTree, list[int]]:
+def build_tree(anchor_id: int, top_ids: list[list[int]], top_logprobs: list[list[float]], budget: int) -> DraftTree:
+    """The ``budget`` most probable prefixes (root not counted) of the per-depth candidates under
+    the product of the marginals, in the order the heap pops them (every parent before its children)."""
+    ranked = [list(zip(ids, logprobs, [0] * len(ids))) for ids, logprobs in zip(top_ids, top_logprobs)]
+    return best_first(anchor_id, len(ranked), lambda row, state: ranked[row], budget)
+
+
+def selector_tree(anchor_id: int, scores: PathScores, log_mass: list[float], budget: int, width: int) -> DraftTree:
+    """The ``budget`` most probable prefixes when a candidate's probability depends on its parent:
+    softmax(S_t(parent, .)) over the row's selector candidates (DFlash2's path scores), times the
+    share of row t's marginal those candidates hold (``log_mass[t]``, so that rows weigh against
+    each other as under the marginals). Only a row's ``width`` best candidates after a parent can
+    appear."""
+    rows = len(log_mass)
+    memo: dict[tuple[int, int], list[tuple[int, float, int]]] = {}
+
+    def children(row: int, state: int) -> list[tuple[int, float, int]]:
+        if (row, state) not in memo:
+            raw = np.asarray(scores.first if row == 0 else scores.pairs[row - 1, state], dtype=np.float64)
+            logprobs = raw - raw.max() - math.log(np.exp(raw - raw.max()).sum()) + log_mass[row]
+            order = np.argsort(-logprobs, kind="stable")[:width]
+            memo[row, state] = [(int(scores.candidates[row, j]), float(logprobs[j]), int(j)) for j in order]
+        return memo[row, state]
+
+    return best_first(anchor_id, rows, children, budget)
+
+
+def draft_tree(ops: ArrayOps, draft: Draft, anchor_id: int, budget: int, width: int,
+               shape: "TreeShape | None" = None) -> tuple[DraftTree, list[int]]:
     """The tree of ``draft``'s per-position distributions (``draft.logits``, which must be set),
-    with its prompt-lookup copy (``draft.branch_ids``) as one more path; and the nodes only the
-    copy proposed (beyond the budget)."""
-    top_ids, top_logprobs = top_candidates(ops, draft.logits[: draft.num_tokens], width)
-    tree = build_tree(anchor_id, top_ids, top_logprobs, budget)
+    shaped as ``shape`` says, with its prompt-lookup copy (``draft.branch_ids``) as one more path;
+    and the nodes only the copy proposed (beyond the budget)."""
+    shape = shape or TreeShape()
+    logits = draft.logits[: draft.num_tokens]
+    scores = draft.path_scores if shape.scores == "selector" else None
+    if scores is not None:
+        rows = min(draft.num_tokens, int(scores.candidates.shape[0]))
+        _, top_logprobs = top_candidates(ops, logits[:rows], int(scores.candidates.shape[1]))
+        log_mass = [_logsumexp(row) for row in top_logprobs]
+        tree = selector_tree(anchor_id, scores, log_mass, budget, width)
+    else:
+        top_ids, top_logprobs = top_candidates(ops, logits, width)
+        tree = build_tree(anchor_id, top_ids, top_logprobs, budget)
     return with_branch(tree, draft.branch_ids) if draft.branch_ids else (tree, [])
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a tree spends its budget: node scores from the draft's per-position marginals
+    (``"marginal"``) or from its path selector where the draft has one (``"selector"``)."""
+
+    scores: str = "selector"
+
+
+def _logsumexp(values: list[float]) -> float:
+    top = max(values)
+    return top + math.log(sum(math.exp(v - top) for v in values)) if top > -math.inf else -math.inf
 
 
 def tree_verify(

@@ -13,14 +13,19 @@ from speculant.core.schema import COUNT_MAX, UserModel
 from speculant.core.tree import DraftTree
 from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
-from speculant.verifiers.tree import draft_tree, tree_verify
+from speculant.verifiers.tree import TreeShape, draft_tree, tree_verify
 
 
 class TreeOptions(UserModel):
     """``verifier.options`` of the ``tree`` verifier."""
 
     budget: int = Field(16, ge=1, le=1024, description="drafted nodes per tree (B), the root not counted")
-    width: int = Field(4, ge=1, le=64, description="most candidates per depth (K): the draft's K most probable tokens")
+    width: int = Field(8, ge=1, le=64, description="most candidates per depth (K): the draft's K most probable "
+                       "tokens (with scores = selector: per parent, of the selector's candidates)")
+    scores: Literal["marginal", "selector"] = Field(
+        "selector", description="what ranks the tree's nodes: the draft's per-position distributions (marginal), or "
+        "a path selector's scores of each candidate given its parent (selector: DFlash2's; drafts without them "
+        "use the marginals)")
     choose: Literal["always", "measured"] = Field(
         "always", description="verify a tree every drafted cycle, or whichever of tree and chain has emitted more "
         "tokens per second of target and draft time so far (timed cycles, each tried now and then)")
@@ -45,6 +50,7 @@ class TreeVerifier(Verifier):
         super().__init__(options)
         settings = TreeOptions(**self.options)
         self.budget, self.width = settings.budget, settings.width
+        self.shape = TreeShape(settings.scores)
         self.fallback: str | None = None
         self._stats = TreeStats()
         self.choice = CostChoice(settings.explore_every) if settings.choose == "measured" else None
@@ -70,7 +76,7 @@ class TreeVerifier(Verifier):
             return None
         if (decided or (self.choice.next() if self.choice is not None else "tree")) == "chain":
             return None
-        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budget, self.width)
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budget, self.width, self.shape)
         return tree
 
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
@@ -97,7 +103,7 @@ class TreeVerifier(Verifier):
             self.choice.record(kind, len(verification.token_ids), timing.target_s + timing.draft_s + timing.commit_s)
 
     def decisions(self) -> dict:
-        record = {"budget": self.budget, "width": self.width, **self._stats.as_dict()}
+        record = {"budget": self.budget, "width": self.width, "scores": self.shape.scores, **self._stats.as_dict()}
         if self.fallback is not None:
             record["fallback"] = f"chains: {self.fallback}"
         if self.choice is not None:

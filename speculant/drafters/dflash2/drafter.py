@@ -42,9 +42,10 @@ class DFlash2Drafter(DFlashDrafter):
         row's own, so :meth:`propose_rows` keeps every request's sampling and rng)."""
         k = request.num_tokens
         flat, candidates = self.net.score_table(hidden, logits, request.anchor_id)
-        path = walk(ScoreTable.from_flat(flat, k, self.cfg.selector_top_k), request.sampling, request.rng)
+        table = ScoreTable.from_flat(flat, k, self.cfg.selector_top_k)
+        path = walk(table, request.sampling, request.rng)
         tokens = self.backend.int_array(path.token_ids)
         if path.q is None:
-            return Draft(tokens, k, confidence=path.confidence, logits=logits)
+            return Draft(tokens, k, confidence=path.confidence, logits=logits, path_scores=table)
         return Draft(tokens, k, draft_probs=self.ops.asarray(path.q), candidate_ids=candidates,
-                     confidence=path.confidence, logits=logits)
+                     confidence=path.confidence, logits=logits, path_scores=table)
