@@ -102,7 +102,7 @@ class MatrixConfig(_Model):
     block_sizes: list[int | None] = Field(default_factory=lambda: [None])  # None = the draft's trained block
     verifiers: list[str] = Field(default_factory=lambda: ["auto"])
     tree_budgets: list[int] = Field(default_factory=lambda: [16])  # `tree` verifier cells only: nodes B
-    tree_widths: list[int] = Field(default_factory=lambda: [4])  # `tree` verifier cells only: candidates K
+    tree_widths: list[int] = Field(default_factory=lambda: [8])  # `tree` verifier cells only: candidates K
     quantization: list[str] = Field(default_factory=lambda: ["off"])  # "off", "w4", "w8:gs32", ...
     backends: list[BackendPoint] = Field(default_factory=lambda: [BackendPoint()])
     sampling: list[SamplingPoint] = Field(default_factory=lambda: [SamplingPoint()])
