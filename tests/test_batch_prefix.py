@@ -128,6 +128,22 @@ def test_batched_requests_resume_stored_prefixes(family, drafter_rows, name, bac
     assert after.stats.cached_tokens == len(SHARED_A) and after.token_ids == truth[4]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_the_flattened_layout_resumes_stored_prefixes(family, name):
+    """``engine.batch_layout = "flat"``: a joining sequence's restored columns follow the others'
+    in the one row; it stores no snapshot of its own (its columns lie among the others')."""
+    path = family(name)
+    truth = cold_runs(path, "torch", PROMPTS)
+    engine = engine_for(path, "torch", script=[(p, t) for (p, _), t in zip(PROMPTS, truth)])
+    engine.batch_layout = "flat"
+    for shared in (SHARED_A, SHARED_B):
+        engine.run(prompt_ids=shared, max_new_tokens=4, ignore_eos=True)  # alone: stores the prefix
+    requests = run_batch(engine, PROMPTS)
+    for i, request in enumerate(requests):
+        assert request.loop.produced == truth[i], f"request {i}"
+        assert request.final().stats.cached_tokens == CACHED[i], f"request {i}"
+
+
 @pytest.mark.parametrize(("name", "backend"), CASES)
 def test_batched_requests_store_their_state_for_the_next_turn(family, drafter_rows, name, backend):
     path = family(name)

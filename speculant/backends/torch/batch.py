@@ -174,12 +174,16 @@ class TorchBatch(BatchedTarget):
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _merge(self, solo, length: int) -> None:
-        """Add the prefilled cache ``solo`` as the last row, padding the shorter side's columns."""
+        """Add the prefilled cache ``solo`` (``length`` positions) as the last sequence."""
         first = not self.keys
         self.book.add_row(length)
         if first:
             self.cache = solo
-            return
+        else:
+            self._append(solo)
+
+    def _append(self, solo) -> None:
+        """Add ``solo``'s one row below the others, padding the shorter side's columns."""
         columns = self.book.columns
         for layer, new in zip(_attention_layers(self.cache), _attention_layers(solo)):
             layer.keys = torch.cat([_pad(layer.keys, columns, 2), _pad(new.keys, columns, 2)], dim=0)

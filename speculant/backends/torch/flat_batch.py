@@ -66,13 +66,8 @@ class TorchFlatBatch(TorchBatch):
         if self.book.crop(lengths, self.keys):
             self._compact()
 
-    def _merge(self, solo, length: int) -> None:
-        """Append the prefilled cache ``solo`` as the last sequence's columns."""
-        first = not self.keys
-        self.book.add_row(length)
-        if first:
-            self.cache = solo
-            return
+    def _append(self, solo) -> None:
+        """Add ``solo``'s columns after the others'."""
         for layer, new in zip(_attention_layers(self.cache), _attention_layers(solo)):
             layer.keys = torch.cat([layer.keys, new.keys], dim=2)
             layer.values = torch.cat([layer.values, new.values], dim=2)
