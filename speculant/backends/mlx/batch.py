@@ -29,12 +29,10 @@ from mlx_lm.models.cache import _BaseCache
 from speculant.backends.mlx import batch_rows as rows
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
+from speculant.core import spare_room
 from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
-
-
-STEP = 256  # columns a RowsCache's buffers grow by (mlx-lm's KVCache step)
 
 
 class RowsCache(_BaseCache):
@@ -43,42 +41,15 @@ class RowsCache(_BaseCache):
 
     def __init__(self, window: int | None) -> None:
         self.window = window
-        self._keys: mx.array | None = None  # [rows, heads, capacity, dim], the first columns held
-        self._values: mx.array | None = None
-        self._held = [0, 0]  # columns held of keys, of values (assigned one after the other)
+        self.keys = self.values = None
         self.offset: mx.array | int = 0
         self.mask: mx.array | None = None
 
-    @property
-    def keys(self) -> mx.array | None:
-        return None if self._keys is None else self._keys[:, :, :self._held[0]]
-
-    @keys.setter
-    def keys(self, array: mx.array | None) -> None:
-        self._keys, self._held[0] = array, 0 if array is None else int(array.shape[2])
-
-    @property
-    def values(self) -> mx.array | None:
-        return None if self._values is None else self._values[:, :, :self._held[1]]
-
-    @values.setter
-    def values(self, array: mx.array | None) -> None:
-        self._values, self._held[1] = array, 0 if array is None else int(array.shape[2])
+    keys = spare_room.HeldColumns()  # [rows, heads, held columns, dim] of spare-room buffers
+    values = spare_room.HeldColumns()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the forward's keys and values after the held ones, in spare room that grows by
-        ``STEP`` columns (concatenating would copy the whole cache every cycle)."""
-        held, new = self._held[0], int(keys.shape[2])
-        if self._keys is None or self._keys.shape[2] < held + new:
-            room = ((held + new + STEP - 1) // STEP) * STEP
-            grown_keys = mx.zeros((*keys.shape[:2], room, keys.shape[3]), keys.dtype)
-            grown_values = mx.zeros((*values.shape[:2], room, values.shape[3]), values.dtype)
-            if held:
-                grown_keys[:, :, :held], grown_values[:, :, :held] = self.keys, self.values
-            self._keys, self._values = grown_keys, grown_values
-        self._keys[:, :, held:held + new] = keys
-        self._values[:, :, held:held + new] = values
-        self._held = [held + new, held + new]
+        spare_room.append(self, keys, values, lambda like, shape: mx.zeros(shape, like.dtype))
         return self.keys, self.values
 
     def make_mask(self, N: int, *args, **kwargs) -> mx.array | None:
