@@ -20,6 +20,22 @@ def torch_threads():
 
 
 @pytest.fixture(scope="session")
+def sliding_families(tmp_path_factory, torch_threads):
+    """``get(name)``: a tiny checkpoint of that family (speculant/testing/tiny_families.py), its
+    sliding layers 16 wide, built once per session."""
+    from speculant.testing.tiny_families import build_tiny_family
+
+    root, built = tmp_path_factory.mktemp("sliding_families"), {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tiny_family(root / name, name, sliding_window=16)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def reference_venv():
     """The official dflash 0.1.0 reference venv's python; skips the test when it is unavailable
     (or builds it first when SPECULANT_BUILD_REF_VENV=1)."""

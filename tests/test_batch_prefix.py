@@ -24,7 +24,6 @@ from speculant.api import load_engine  # noqa: E402
 from speculant.core.loop import Loop  # noqa: E402
 from speculant.core.scheduler import Request, Scheduler  # noqa: E402
 from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
-from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 
 # MLX's default on the CPU is the compiled path (static buffers, their own snapshot format), as
 # PyTorch's is on CUDA (its static cache, slow to compile on the CPU)
@@ -44,15 +43,8 @@ CACHED = [len(SHARED_A), len(SHARED_B), 0, len(SHARED_A)]
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory, torch_threads):
-    root, built = tmp_path_factory.mktemp("batch_prefix_families"), {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = build_tiny_family(root / name, name, sliding_window=16)
-        return built[name]
-
-    return get
+def family(sliding_families):
+    return sliding_families
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from speculant.api import load_engine  # noqa: E402
 from speculant.core.loop import Loop  # noqa: E402
 from speculant.core.scheduler import Request, Scheduler  # noqa: E402
 from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
-from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 from test_drafter_fork import load, pairs  # noqa: E402,F401  (the fork tests' pairs: a fixture)
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
@@ -27,15 +26,8 @@ SCRIPTED = (0, 2, 3)  # the planted drafter proposes these prompts' true continu
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory, torch_threads):
-    root, built = tmp_path_factory.mktemp("scheduler_families"), {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = build_tiny_family(root / name, name, sliding_window=16)
-        return built[name]
-
-    return get
+def family(sliding_families):
+    return sliding_families
 
 
 def backend_config(backend: str) -> dict:
