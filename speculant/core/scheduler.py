@@ -133,6 +133,7 @@ class Scheduler:
         except (ValueError, NotImplementedError) as exc:
             self.batch_refused = str(exc)
             return False
+        self.plan.padded = self.rows.padded  # how the plan prices a block: rows x widest, or each row's own
         return True
 
     def _bind(self, request: Request) -> None:
@@ -219,7 +220,6 @@ class Scheduler:
         self.rows.crop(lengths)
         widths = [len(block) for block in blocks]
         computed = len(widths) * max(widths) if self.rows.padded else sum(widths)
-        self.plan.padded = self.rows.padded
         self.plan.observe(len(live), computed, time.perf_counter() - cycle_start, *self._drafted)
         self.batched_cycles += 1
         for request, new in zip(live, news):
