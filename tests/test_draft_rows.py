@@ -145,7 +145,7 @@ def test_a_row_reading_another_rows_context_is_caught(pairs, monkeypatch, broken
     module = ROWS[backend]
     if broken == "mask":
         real = visibility.rows_keep
-        monkeypatch.setattr(module, "rows_keep", lambda *a: real(*a) | True)
+        monkeypatch.setattr(visibility, "rows_keep", lambda *a: real(*a) | True)
     elif broken == "context":
         real_init = module.PaddedRows.__init__
         monkeypatch.setattr(module.PaddedRows, "__init__",

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from speculant.drafters.dflash.context import ContextCache
 from speculant.drafters.dflash.mlx import RowPositions
-from speculant.drafters.dflash.visibility import rows_keep
+from speculant.drafters.dflash.visibility import caches_keep
 
 
 class PaddedRows:
@@ -41,10 +41,7 @@ class PaddedRows:
 
     def mask(self, positions: Sequence[int], widths: Sequence[int], q: int, causal: bool, window) -> mx.array:
         """The keep-mask [rows, 1, q, N + q] (shared by every head)."""
-        i = self.layer
-        keep = rows_keep([c.starts[i] for c in self.caches], [c.length(i) for c in self.caches],
-                         positions, widths, q, causal, window)
-        return mx.array(keep)[:, None]
+        return mx.array(caches_keep(self.caches, self.layer, positions, widths, q, causal, window))[:, None]
 
 
 def take_in_rows(nets: Sequence, contexts: Sequence[tuple[mx.array, int]]) -> None:

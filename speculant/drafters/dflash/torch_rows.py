@@ -16,7 +16,7 @@ import torch
 
 from speculant.drafters.dflash.context import ContextCache
 from speculant.drafters.dflash.torch import take_in_rows
-from speculant.drafters.dflash.visibility import rows_keep
+from speculant.drafters.dflash.visibility import caches_keep
 
 
 class PaddedRows:
@@ -39,9 +39,7 @@ class PaddedRows:
 
     def mask(self, positions: Sequence[int], widths: Sequence[int], q: int, causal: bool, window, device) -> torch.Tensor:
         """The keep-mask [rows, 1, q, N + q] (shared by every head)."""
-        i = self.layer
-        keep = rows_keep([c.starts[i] for c in self.caches], [c.length(i) for c in self.caches],
-                         positions, widths, q, causal, window)
+        keep = caches_keep(self.caches, self.layer, positions, widths, q, causal, window)
         return torch.from_numpy(keep).to(device)[:, None]
 
 

@@ -44,3 +44,9 @@ def rows_keep(ctx_starts, ctx_lengths, positions, widths, q_len: int, causal: bo
     keep = keep_by_distance(np.broadcast_to(present[:, None, :], rel.shape).copy(), rel, causal, window)
     keep[:, j, n + j] = True
     return keep
+
+
+def caches_keep(caches, layer: int, positions, widths, q_len: int, causal: bool, window: int | None) -> np.ndarray:
+    """:func:`rows_keep` for layer ``layer`` of several rows' ``ContextCache`` s."""
+    return rows_keep([c.starts[layer] for c in caches], [c.length(layer) for c in caches],
+                     positions, widths, q_len, causal, window)
