@@ -168,9 +168,10 @@ def test_sampled_uniforms_and_tokens_are_the_same_on_every_backend():
 
 # -- choose = measured: tree or chain from tokens per second ---------------------------------------
 
-def drive_choice(verifier, cycles: int, seconds: dict) -> list[str]:
+def drive_choice(verifier, cycles: int, seconds: dict, paired: int | None = None) -> list[str]:
     """Run the verifier's hooks for drafted cycles; a tree cycle emits 4 tokens, a chain cycle 2,
-    in ``seconds[kind]``. Returns the kinds run."""
+    in ``seconds[kind]``; a tree's chain path accepts ``paired`` of its drafts (None: unknown).
+    Returns the kinds run."""
     from speculant.core.types import CycleTiming, Draft, Verification
 
     logits = random_marginals(0, 4, 9)
@@ -179,26 +180,83 @@ def drive_choice(verifier, cycles: int, seconds: dict) -> list[str]:
         draft = Draft(NP.argmax(logits), 4, logits=logits)
         tree = verifier.tree(NP, draft, 1)
         kind = "chain" if tree is None else "tree"
-        verification = Verification(3, [1, 2, 3, 4], (0, 1, 2, 3)) if tree is not None else Verification(1, [1, 2])
+        verification = (Verification(3, [1, 2, 3, 4], (0, 1, 2, 3), paired) if tree is not None
+                        else Verification(1, [1, 2]))
         verifier.observe(verification, 4, CycleTiming(100, 4, 4, seconds[kind]))
         kinds.append(kind)
     return kinds
 
 
-def test_measured_choice_runs_the_faster_kind_and_explores_the_other():
+def test_measured_choice_runs_the_faster_kind_and_explores_the_other_ever_less():
     from speculant.verifiers.tree_verifier import TreeVerifier
 
     verifier = TreeVerifier({"choose": "measured", "explore_every": 5})
     assert verifier.needs_timings
     # trees: 4 tokens in 2 ms (2000/s); chains: 2 tokens in 2 ms (1000/s)
-    kinds = drive_choice(verifier, 40, {"tree": 2e-3, "chain": 2e-3})
-    steady = kinds[10:]
-    assert steady.count("chain") == len(steady) // 5 and steady.count("tree") > 20
-    # trees get expensive (4 tokens in 8 ms, 500/s): the choice moves to chains
+    kinds = drive_choice(verifier, 200, {"tree": 2e-3, "chain": 2e-3})
+    assert kinds[:6] == ["chain"] * 3 + ["tree"] * 3  # the warm-up
+    explored = [i for i, kind in enumerate(kinds) if kind == "chain"][3:]
+    gaps = np.diff(explored)
+    assert len(explored) >= 4 and list(gaps) == sorted(gaps) and gaps[-1] >= 4 * gaps[0]  # spaced ever wider
+    assert kinds[6:].count("tree") >= 0.95 * len(kinds[6:])
+    # trees get expensive (4 tokens in 8 ms, 500/s): trees run, so the choice moves to chains at once
     kinds = drive_choice(verifier, 60, {"tree": 8e-3, "chain": 2e-3})
-    steady = kinds[30:]
-    assert steady.count("tree") == len(steady) // 5 and steady.count("chain") > 20
+    assert kinds[10:].count("chain") >= 0.85 * len(kinds[10:]) and "tree" in kinds[10:]
     assert verifier.decisions()["choice"]["tokens_per_s"]["chain"] == pytest.approx(1000.0)
+
+
+def test_measured_choice_weighs_a_tree_against_its_own_chain_path():
+    """Trees emit 4 tokens in 3 ms and chains 2 in 2 ms; when the trees' own chain paths would have
+    emitted 4 as well (the chain's cycles just ran on harder text), the tree adds nothing at 1.5x
+    the cost and the chain must win; told nothing of the chain path, the tree wins."""
+    from speculant.verifiers.tree_verifier import TreeVerifier
+
+    costs = {"tree": 3e-3, "chain": 2e-3}
+    paired = drive_choice(TreeVerifier({"choose": "measured", "explore_every": 5}), 80, costs, paired=3)
+    unpaired = drive_choice(TreeVerifier({"choose": "measured", "explore_every": 5}), 80, costs)
+    assert paired[10:].count("chain") >= 0.85 * 70 and unpaired[10:].count("tree") >= 0.85 * 70
+
+
+def test_measured_choice_keeps_cycles_beside_a_copy_apart():
+    """Beside a prompt-lookup copy a chain verifies the copy and runs no drafter (cheap); without
+    one it drafts. The two kinds of cycle are measured apart, so each gets its own winner."""
+    from speculant.verifiers.tree_verifier import CostChoice
+
+    choice = CostChoice(8)
+    seconds = {("chain", True): 1e-3, ("chain", False): 4e-3, ("tree", True): 3e-3, ("tree", False): 3e-3}
+    runs: dict[bool, list[str]] = {True: [], False: []}
+    for _ in range(100):
+        for copy in (True, False):
+            arm = choice.next(copy)
+            choice.record(arm, 4 if arm == "tree" or copy else 3, seconds[arm, copy], copy)
+            runs[copy].append(arm)
+    assert runs[True][6:].count("chain") >= 0.9 * 94 and runs[False][6:].count("tree") >= 0.9 * 94
+
+
+def test_tree_verify_reports_what_the_chain_path_accepts():
+    """``chain_accepted``: the drafts of the first-child path (or of a given copy) the target's
+    picks accept, equal to a greedy chain verification of that path."""
+    from speculant.core.types import Draft
+    from speculant.verifiers.acceptance import greedy_verify
+
+    children = TREE.children()
+    first_path, node = [], 0
+    while children[node]:
+        token, node = min(children[node].items(), key=lambda item: item[1])
+        first_path.append((token, node))
+    chain_nodes = [0] + [n for _, n in first_path]
+    for seed in range(20):
+        logits = np.random.default_rng(seed).normal(0, 1, (TREE.size, 9)).astype(np.float32)
+        for token, n in first_path[: seed % 3]:  # plant agreement along the chain path
+            logits[TREE.parents[n], token] += 10.0
+        verification = tree_verify(NP, TREE, logits, SamplingParams(), None)
+        chain = greedy_verify(NP, Draft(np.array([t for t, _ in first_path]), len(first_path)), logits[chain_nodes])
+        assert verification.chain_accepted == chain.accepted
+    copy = [TREE.tokens[n] for n in TREE.path_to(TREE.size - 1)[1:]]
+    logits = np.full((TREE.size, 9), -5.0, np.float32)
+    for parent, n in zip(TREE.path_to(TREE.size - 1), TREE.path_to(TREE.size - 1)[1:]):
+        logits[parent, TREE.tokens[n]] = 5.0
+    assert tree_verify(NP, TREE, logits, SamplingParams(), None, copy).chain_accepted == len(copy)
 
 
 def test_always_verifies_trees_without_timing():

@@ -105,6 +105,9 @@ class Verification:
     token_ids: list[int]  # accepted drafts followed by the correction/bonus token
     # tree cycles only: the tree nodes of the anchor and the accepted drafts (core/tree.py)
     path: tuple[int, ...] = ()
+    # tree cycles only: the drafts of the tree's chain path the same target picks accept (what a
+    # chain would have accepted: the paired measure that chooses between trees and chains)
+    chain_accepted: int | None = None
 
     @property
     def bonus_token_id(self) -> int:

@@ -24,7 +24,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -146,11 +146,14 @@ def _logsumexp(values: list[float]) -> float:
 
 
 def tree_verify(
-    ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams, rng: Any
+    ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams, rng: Any,
+    chain_ids: Sequence[int] | None = None,
 ) -> Verification:
     """Sample and match over ``tree`` with the target's logits at every node ([T, V], node order).
 
-    ``Verification.path`` holds the nodes of the anchor and the accepted drafts."""
+    ``Verification.path`` holds the nodes of the anchor and the accepted drafts;
+    ``Verification.chain_accepted`` how many of the chain's drafts the same picks accept, the chain
+    being ``chain_ids`` (a prompt-lookup copy the tree carries) or else the tree's first children."""
     rows = verify_rows(target_logits, tree.size - 1)
     if sampling.is_greedy:
         picks, row_max = ops.argmax(rows), ops.max(rows)
@@ -175,4 +178,21 @@ def tree_verify(
         node = child
         path.append(node)
     emitted = [tree.tokens[n] for n in path[1:]] + [int(picked[node])]
-    return Verification(len(path) - 1, emitted, tuple(path))
+    return Verification(len(path) - 1, emitted, tuple(path), chain_depth(children, picked, chain_ids))
+
+
+def chain_depth(children: list[dict[int, int]], picked: Sequence[int], chain_ids: Sequence[int] | None) -> int:
+    """How far the picks agree with one path of the tree: ``chain_ids``' tokens, or the first child
+    (the most probable, lowest node number) at every depth."""
+    node = depth = 0
+    while children[node]:
+        if chain_ids is None:
+            token, child = min(children[node].items(), key=lambda item: item[1])
+        elif depth < len(chain_ids) and chain_ids[depth] in children[node]:
+            token, child = chain_ids[depth], children[node][chain_ids[depth]]
+        else:
+            break
+        if int(picked[node]) != token:
+            break
+        node, depth = child, depth + 1
+    return depth

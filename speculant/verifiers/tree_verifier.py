@@ -54,9 +54,11 @@ class TreeVerifier(Verifier):
         self.fallback: str | None = None
         self._stats = TreeStats()
         self.choice = CostChoice(settings.explore_every) if settings.choose == "measured" else None
+        self._copy = False  # this cycle's tree carries a prompt-lookup copy, or its chain is one
         self.needs_timings = self.choice is not None  # the choice compares measured seconds
         self._next: str | None = None  # a kind decided by tree_next, for tree()
         self._copy_nodes: list[int] = []
+        self._branch: tuple[int, ...] | None = None
         self._copy_chain = False
 
     def begin(self, context_length: int) -> None:
@@ -65,18 +67,20 @@ class TreeVerifier(Verifier):
     def tree_next(self) -> bool:
         if self.fallback is not None:
             return False
-        self._next = "tree" if self.choice is None else self.choice.next()
+        self._next = "tree" if self.choice is None else self.choice.next(copy=True)
         return self._next == "tree"
 
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
         decided, self._next = self._next, None
         # chain chosen beside a copy: the copy is this cycle's chain, measured as one
         self._copy_chain = decided == "chain" and draft.source is DraftSource.LOOKUP
+        self._copy = decided is not None
         if self.fallback is not None or draft.logits is None or draft.num_tokens < 1:
             return None
         if (decided or (self.choice.next() if self.choice is not None else "tree")) == "chain":
             return None
         tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budget, self.width, self.shape)
+        self._branch = draft.branch_ids
         return tree
 
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
@@ -85,7 +89,7 @@ class TreeVerifier(Verifier):
 
     def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                     rng: Any) -> Verification:
-        verification = tree_verify(ops, tree, target_logits, sampling, rng)
+        verification = tree_verify(ops, tree, target_logits, sampling, rng, self._branch)
         self._stats.record(tree, verification.path, self._copy_nodes)
         return verification
 
@@ -94,13 +98,16 @@ class TreeVerifier(Verifier):
 
     def observe(self, verification: Verification, submitted: int, timing: CycleTiming | None = None) -> None:
         copy_chain, self._copy_chain = self._copy_chain, False
+        copy, self._copy = self._copy, False
         if submitted <= 0 or (timing is not None and timing.source is DraftSource.LOOKUP and not copy_chain):
             return
         kind = "tree" if verification.path else "chain"
         if kind == "chain":
             self._stats.chain_cycles += 1
         if self.choice is not None and timing is not None:
-            self.choice.record(kind, len(verification.token_ids), timing.target_s + timing.draft_s + timing.commit_s)
+            chain = None if verification.chain_accepted is None else verification.chain_accepted + 1
+            self.choice.record(kind, len(verification.token_ids), timing.target_s + timing.draft_s + timing.commit_s,
+                               copy, chain)
 
     def decisions(self) -> dict:
         record = {"budget": self.budget, "width": self.width, "scores": self.shape.scores, **self._stats.as_dict()}
@@ -112,45 +119,104 @@ class TreeVerifier(Verifier):
 
 
 class CostChoice:
-    """Which of ``arms`` (e.g. ``("tree", "chain")``) runs the next drafted cycle, from the tokens
-    each has emitted per second (exponential moving averages over this engine's requests): each
-    arm first runs ``WARMUP`` times, in order; then the fastest runs, and every
-    ``explore_every``-th cycle one of the slower ones (in turn), so their costs stay known. It
-    reads only finished cycles, so a choice never depends on the cycle it is made for."""
+    """Which of ``arms`` (the chain ``arms[0]``, then trees) runs the next drafted cycle.
+
+    A tree's worth is paired, read off its own cycles: the tokens it emitted against those its chain
+    path (the first children, or the prompt-lookup copy it carries) would have emitted from the same
+    target picks, so a workload that accepts more or less moves both alike. An arm's cost is its
+    cycles' seconds. Both are exponential moving averages over this engine's requests, kept apart
+    for cycles beside a prompt-lookup copy (a chain there verifies the copy and runs no drafter).
+    Each arm first runs ``WARMUP`` times; then the arm with the most tokens per second runs, and an
+    arm measured slower runs again ``explore_every`` cycles later, that spacing doubling (up to
+    ``BACKOFF_MOST`` times) while it stays slower, back to ``explore_every`` when the best arm
+    changes. It reads only finished cycles, so a choice never depends on the cycle it is made for."""
 
     WARMUP = 3
     ALPHA = 0.2  # weight of a new measurement
+    BACKOFF_MOST = 32
 
-    def __init__(self, explore_every: int, arms: tuple[str, ...] = ("tree", "chain")) -> None:
+    def __init__(self, explore_every: int, arms: tuple[str, ...] = ("chain", "tree")) -> None:
         self.explore_every = explore_every
         self.arms = arms
-        self.rate: dict[str, float | None] = {a: None for a in arms}
-        self.measured = {a: 0 for a in arms}
         self.chosen = {a: 0 for a in arms}
-        self.cycles = 0
         self.explored = 0
+        self._sides = {copy: _Side(arms, explore_every) for copy in (False, True)}
 
-    def next(self) -> str:
-        self.cycles += 1
-        arm = next((a for a in self.arms if self.measured[a] < self.WARMUP), None)
+    def next(self, copy: bool = False) -> str:
+        side = self._sides[copy]
+        side.cycles += 1
+        arm = next((a for a in self.arms if side.measured[a] < self.WARMUP), None)
         if arm is None:
-            ranked = sorted(self.arms, key=lambda a: -self.rate[a])  # stable: ties keep the arms' order
-            arm = ranked[0]
-            if self.cycles % self.explore_every == 0 and len(ranked) > 1:
+            arm = side.best()
+            due = [a for a in self.arms if a != arm and side.cycles >= side.explore_at[a]]
+            if due:
+                arm = min(due, key=side.explore_at.__getitem__)
+                side.spacing[arm] = min(2 * side.spacing[arm], self.BACKOFF_MOST * self.explore_every)
+                side.explore_at[arm] = side.cycles + side.spacing[arm]
                 self.explored += 1
-                arm = ranked[1 + (self.explored - 1) % (len(ranked) - 1)]
         self.chosen[arm] += 1
         return arm
 
-    def record(self, arm: str, emitted: int, seconds: float) -> None:
-        if seconds <= 0.0:
-            return
-        rate, old = emitted / seconds, self.rate[arm]
-        self.rate[arm] = rate if old is None else old + self.ALPHA * (rate - old)
-        self.measured[arm] += 1
+    def record(self, arm: str, emitted: int, seconds: float, copy: bool = False,
+               chain_emitted: int | None = None) -> None:
+        """A finished cycle of ``arm``; for a tree, ``chain_emitted``: what its chain path would have
+        emitted (None: unknown, the tree is then weighed against the chain's own cycles)."""
+        if seconds > 0.0:
+            self._sides[copy].record(arm, emitted, seconds, chain_emitted, self.ALPHA)
+
+    @property
+    def rate(self) -> dict[str, float | None]:
+        """Tokens per second each arm is estimated to give (cycles without a copy)."""
+        return self._sides[False].rates()
 
     def as_dict(self) -> dict:
-        return {"tokens_per_s": dict(self.rate), "chosen": dict(self.chosen)}
+        return {"tokens_per_s": self.rate, "tokens_per_s_beside_copy": self._sides[True].rates(),
+                "chosen": dict(self.chosen), "explored": self.explored}
+
+
+class _Side:
+    """CostChoice's moving averages for one kind of cycle (with or without a prompt-lookup copy)."""
+
+    def __init__(self, arms: tuple[str, ...], explore_every: int) -> None:
+        self.arms, self.explore_every = arms, explore_every
+        self.emitted: dict[str, float | None] = dict.fromkeys(arms)
+        self.chain_emitted: dict[str, float | None] = dict.fromkeys(arms)
+        self.seconds: dict[str, float | None] = dict.fromkeys(arms)
+        self.measured = dict.fromkeys(arms, 0)
+        self.cycles = 0
+        self.leader: str | None = None
+        self.spacing = dict.fromkeys(arms, explore_every)
+        self.explore_at = dict.fromkeys(arms, explore_every)
+
+    def record(self, arm: str, emitted: int, seconds: float, chain_emitted: int | None, alpha: float) -> None:
+        for table, value in ((self.emitted, emitted), (self.seconds, seconds), (self.chain_emitted, chain_emitted)):
+            if value is not None:
+                old = table[arm]
+                table[arm] = float(value) if old is None else old + alpha * (value - old)
+        self.measured[arm] += 1
+
+    def rates(self) -> dict[str, float | None]:
+        chain = self.arms[0]
+        per_cycle = self.emitted[chain]
+        out: dict[str, float | None] = {}
+        for arm in self.arms:
+            emitted, paired, seconds = self.emitted[arm], self.chain_emitted[arm], self.seconds[arm]
+            if emitted is None or seconds is None:
+                out[arm] = None
+            elif arm == chain or paired is None or per_cycle is None:
+                out[arm] = emitted / seconds
+            else:  # the chain's tokens per cycle now, times what the tree added over its own chain path
+                out[arm] = per_cycle * (emitted / paired) / seconds
+        return out
+
+    def best(self) -> str:
+        rates = self.rates()
+        best = max(self.arms, key=lambda a: rates[a] or 0.0)  # ties keep the arms' order: the chain first
+        if best != self.leader:
+            self.leader = best
+            self.spacing = dict.fromkeys(self.arms, self.explore_every)
+            self.explore_at = dict.fromkeys(self.arms, self.cycles + self.explore_every)
+        return best
 
 
 class TreeStats:

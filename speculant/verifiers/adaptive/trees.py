@@ -35,14 +35,17 @@ class TreeArms:
         self.host_s = 0.0
         self.depth = 0  # the last tree's deepest node
         self.preset: str | None = None  # an arm chosen before drafting (tree_next), for choose()
+        self.copy = False  # this cycle's tree carries a prompt-lookup copy, or its chain is one
+        self.chain_width: int | None = None  # the drafts the policy last verified as a chain
         self._copy_nodes: list[int] = []
+        self._branch: tuple[int, ...] | None = None
 
     def begin(self) -> None:
         self.stats, self.arm, self.preset = TreeStats(), None, None
 
     def choose_early(self) -> bool:
         """Before drafting, beside a prompt-lookup copy: choose the arm now; True for a tree."""
-        self.preset = None if self.fallback is not None else self.choice.next()
+        self.preset = None if self.fallback is not None else self.choice.next(copy=True)
         return self.preset is not None and self.preset != CHAIN
 
     def choose(self, draft: Draft | None) -> str | None:
@@ -51,6 +54,7 @@ class TreeArms:
         without tree forwards, no speculation: ``draft`` None)."""
         preset, self.preset = self.preset, None
         self.host_s = 0.0
+        self.copy = preset is not None
         if preset == CHAIN and draft is not None and draft.source is DraftSource.LOOKUP:
             self.arm = CHAIN  # chosen beside a copy: the copy is this cycle's chain, measured as one
             return self.arm
@@ -68,6 +72,7 @@ class TreeArms:
             return None
         start = time.perf_counter()
         tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budgets[self.arm], self.width)
+        self._branch = draft.branch_ids
         self.depth = max(tree.depths)
         self.host_s += time.perf_counter() - start
         return tree
@@ -75,7 +80,7 @@ class TreeArms:
     def verify(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
         start = time.perf_counter()
-        verification = tree_verify(ops, tree, target_logits, sampling, rng)
+        verification = tree_verify(ops, tree, target_logits, sampling, rng, self._branch)
         self.host_s += time.perf_counter() - start
         self.stats.record(tree, verification.path, self._copy_nodes)
         return verification
@@ -88,7 +93,13 @@ class TreeArms:
             return
         if arm == CHAIN:
             self.stats.chain_cycles += 1
-        self.choice.record(arm, len(verification.token_ids), seconds + self.host_s)
+            if not self.copy:
+                self.chain_width = submitted
+        chain = verification.chain_accepted
+        if chain is not None and not self.copy and self.chain_width is not None:
+            chain = min(chain, self.chain_width)  # the chain verifies the policy's width, not the whole block
+        self.choice.record(arm, len(verification.token_ids), seconds + self.host_s, self.copy,
+                           None if chain is None else chain + 1)
 
     def as_dict(self) -> dict:
         record: dict = {"budgets": list(self.budgets.values()), "width": self.width, **self.stats.as_dict(),
