@@ -50,15 +50,36 @@ def test_adaptive_runs_the_fastest_arm_and_switches_when_costs_change():
     assert "tree" in verifier.decisions()["actions"]
 
 
+def test_trees_compete_with_the_plain_steps_of_a_chain_policy_gone_plain():
+    """Chains accept nothing, so the chain policy falls back to plain steps; a tree of 4 emits 4
+    tokens in the same 0.1 s (its chain path: 1). Trees must take over from the plain steps."""
+    verifier = AdaptiveVerifier({**PINNED, "tree": "auto", "tree_budgets": [4], "tree_explore_every": 4})
+    logits = random_marginals(0, 4, 9)
+    kinds = []
+    for _ in range(80):
+        draft = Draft(NP.argmax(logits), 4, logits=logits)
+        n = verifier.plan(draft, 4, 100) if verifier.wants_draft(4, 100) else 0
+        tree = verifier.tree(NP, draft.truncated(n, NP), 1) if n else None
+        if tree is not None:
+            verifier.observe(Verification(3, [1, 2, 3, 4], (0, 1, 2, 3), 0), tree.num_drafted, CycleTiming(100, 4, 4, 0.1))
+        else:
+            verifier.observe(Verification(0, [5]), n, CycleTiming(100, n, 4 if n else 0, 0.1))
+        kinds.append("tree" if tree is not None else "chain" if n else "plain")
+    assert "plain" in kinds and kinds[20:].count("tree") >= 0.8 * len(kinds[20:])
+
+
 def test_tree_off_and_drafts_without_distributions_verify_chains():
     off = AdaptiveVerifier({**PINNED, "tree": "off"})
     assert not AdaptiveVerifier(PINNED).builds_trees  # off by default (measured 0.94x on the shipped pair's CPU)
     assert not off.builds_trees and set(drive(off, 12, {"chain": 0.1})) == {"chain"}
     auto = AdaptiveVerifier({**PINNED, "tree": "auto"})
     draft = Draft(np.array([1, 2, 3]), 3)  # no per-position logits (an MTP or EAGLE draft)
-    auto.wants_draft(3, 100)
-    auto.plan(draft, 3, 100)
-    assert auto.tree(NP, draft, 1) is None and auto.trees.arm is None
+    for _ in range(12):
+        if auto.wants_draft(3, 100) and auto.plan(draft, 3, 100):
+            assert auto.tree(NP, draft, 1) is None and auto.trees.arm in (None, "chain")
+        auto.observe(Verification(1, [1, 2]), 3, CycleTiming(100, 3, 3, 0.1))
+    # the first tree chosen found no distributions: trees are not chosen again
+    assert auto.trees.no_distributions and sum(auto.trees.choice.chosen.values()) <= 4
 
 
 def test_tree_options_are_checked():

@@ -39,29 +39,45 @@ class TreeArms:
         self.chain_width: int | None = None  # the drafts the policy last verified as a chain
         self._copy_nodes: list[int] = []
         self._branch: tuple[int, ...] | None = None
+        self.no_distributions = False  # the drafter's drafts carry no per-position distributions
 
     def begin(self) -> None:
         self.stats, self.arm, self.preset = TreeStats(), None, None
 
-    def choose_early(self) -> bool:
-        """Before drafting, beside a prompt-lookup copy: choose the arm now; True for a tree."""
-        self.preset = None if self.fallback is not None else self.choice.next(copy=True)
+    def choose_early(self, copy: bool) -> bool:
+        """Before drafting: choose this cycle's arm now (``copy``: beside a prompt-lookup copy, whose
+        chain is the copy); True for a tree. The chain arm is whatever the chain policy then does,
+        a plain step included, so a tree also competes with plain decoding."""
+        self.arm = None
+        self.preset = None if self.fallback is not None or self.no_distributions else self.choice.next(copy)
+        self.copy = copy
         return self.preset is not None and self.preset != CHAIN
 
     def choose(self, draft: Draft | None) -> str | None:
-        """This drafted cycle's arm (the early one if made; a copy is then the chain beside it), or
-        None when no tree can be built (no per-position distributions, a lookup copy, a target
-        without tree forwards, no speculation: ``draft`` None)."""
+        """This drafted cycle's arm (the one chosen before drafting; else chosen now if the chain
+        policy speculates), or None when no tree can be built (no per-position distributions, a
+        target without tree forwards, no speculation: ``draft`` None)."""
         preset, self.preset = self.preset, None
         self.host_s = 0.0
-        self.copy = preset is not None
-        if preset == CHAIN and draft is not None and draft.source is DraftSource.LOOKUP:
-            self.arm = CHAIN  # chosen beside a copy: the copy is this cycle's chain, measured as one
-            return self.arm
-        eligible = (draft is not None and self.fallback is None and draft.logits is not None
-                    and draft.source is DraftSource.MODEL and draft.num_tokens >= 1)
-        self.arm = (preset or self.choice.next()) if eligible else None
+        if preset is None:
+            self.copy = False
+            preset = self.choice.next() if self._eligible(draft) else None
+        if preset == CHAIN or (preset is not None and self._eligible(draft)):
+            self.arm = preset  # beside a copy, the chain arm's chain is the copy
+        else:
+            self.arm = None
+            if draft is not None and draft.source is DraftSource.MODEL and draft.logits is None:
+                self.no_distributions = True  # this drafter's drafts carry none: trees never
         return self.arm
+
+    def plain_step(self) -> None:
+        """The chain arm's cycle was a plain step (the policy drafted nothing): it counts as such."""
+        if self.preset == CHAIN:
+            self.preset, self.arm, self.host_s = None, CHAIN, 0.0
+
+    def _eligible(self, draft: Draft | None) -> bool:
+        return (draft is not None and self.fallback is None and draft.logits is not None
+                and draft.source is DraftSource.MODEL and draft.num_tokens >= 1)
 
     @property
     def tree_chosen(self) -> bool:
@@ -87,14 +103,14 @@ class TreeArms:
 
     def observe(self, verification: Verification, submitted: int, seconds: float) -> None:
         """Record the finished cycle's tokens per second under its arm (a tree chosen but verified
-        as a chain, or a chain the policy cut to no drafts, records nothing)."""
+        as a chain records nothing); the chain arm's plain steps count, at their own cost."""
         arm, self.arm = self.arm, None
-        if arm is None or submitted <= 0 or bool(verification.path) != (arm != CHAIN):
+        if arm is None or bool(verification.path) != (arm != CHAIN):
             return
         if arm == CHAIN:
-            self.stats.chain_cycles += 1
+            self.stats.chain_cycles += int(submitted > 0)
             if not self.copy:
-                self.chain_width = submitted
+                self.chain_width = submitted  # 0: the policy's plain step
         chain = verification.chain_accepted
         if chain is not None and not self.copy and self.chain_width is not None:
             chain = min(chain, self.chain_width)  # the chain verifies the policy's width, not the whole block

@@ -75,14 +75,19 @@ class AdaptiveVerifier(Verifier):
         self.log = RequestLog(plain_from_context=context_length if limit is not None and context_length >= limit else None)
 
     def wants_draft(self, max_tokens: int, context_length: int) -> bool:
-        return self.policy.wants_draft(max_tokens, context_length)
+        if self.trees is not None and self.trees.choose_early(copy=False):
+            return True  # a tree's cycle: outside the chain policy, which may have gone plain
+        wanted = self.policy.wants_draft(max_tokens, context_length)
+        if not wanted and self.trees is not None:
+            self.trees.plain_step()
+        return wanted
 
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
         if self.trees is not None:  # the arm: from finished cycles only, like the width below
-            copy = draft.source is DraftSource.LOOKUP
-            self.trees.choose(draft if copy or self.policy.speculating(max_tokens, context_length) else None)
+            chosen = self.trees.preset is not None or draft.source is DraftSource.LOOKUP
+            self.trees.choose(draft if chosen or self.policy.speculating(max_tokens, context_length) else None)
             if self.trees.tree_chosen:  # the tree's budget bounds it, not the chain's width
                 return min(draft.num_tokens, max_tokens)
         if draft.source == DraftSource.LOOKUP:  # a copy: verified whole, outside the policy
@@ -108,7 +113,7 @@ class AdaptiveVerifier(Verifier):
         return verification
 
     def tree_next(self) -> bool:
-        return self.trees is not None and self.policy.mode is Mode.SPECULATE and self.trees.choose_early()
+        return self.trees is not None and self.trees.choose_early(copy=True)
 
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
         return None if self.trees is None else self.trees.tree(ops, draft, anchor_id)
