@@ -10,7 +10,7 @@ Arms (one engine each, loaded once, every arm on the same prompts):
   these pairs; ``chainN``: the drafter's ``block_size`` set to N);
 - ``adaptive``: the adaptive verifier with trees off (its default);
 - ``adaptive_tree``: the adaptive verifier choosing between its chain and trees
-  (``tree = "auto"``);
+  (``tree = "auto"``); ``adaptive_tree4+8``: with ``tree_budgets = [4, 8]``;
 - ``treeB``: the ``tree`` verifier with budget B, always a tree; ``measuredB``: the ``tree``
   verifier with ``choose = "measured"``.
 
@@ -34,8 +34,9 @@ def verifier_for(arm: str) -> dict:
         return {"kind": "auto"}
     if arm == "adaptive":
         return {"kind": "adaptive"}
-    if arm == "adaptive_tree":
-        return {"kind": "adaptive", "options": {"tree": "auto"}}
+    if arm.startswith("adaptive_tree"):
+        budgets = {"tree_budgets": [int(b) for b in arm[13:].split("+")]} if arm[13:] else {}
+        return {"kind": "adaptive", "options": {"tree": "auto", **budgets}}
     for prefix, options in (("tree", {}), ("measured", {"choose": "measured"})):
         if arm.startswith(prefix):
             return {"kind": "tree", "options": {"budget": int(arm[len(prefix):]), **options}}

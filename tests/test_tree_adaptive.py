@@ -42,30 +42,34 @@ def test_adaptive_runs_the_fastest_arm_and_switches_when_costs_change():
     costs = {"chain": 0.1, "tree2": 0.1, "tree8": 0.4}
     steady = drive(verifier, 48, costs)[12:]
     assert steady.count("tree2") >= 0.7 * len(steady) and {"chain", "tree8"} <= set(steady)
-    # small trees get expensive (4 tokens in 0.8 s, 5/s): the chain takes over
-    steady = drive(verifier, 80, {**costs, "tree2": 0.8})[40:]
-    assert steady.count("chain") >= 0.7 * len(steady) and {"tree2", "tree8"} <= set(steady)
+    # small trees get expensive (4 tokens in 0.8 s, 5/s): the chain takes over, the trees still
+    # explored now and then (tree2, at under half the chain's rate, at the widest spacing)
+    run = drive(verifier, 80, {**costs, "tree2": 0.8})
+    assert run[20:].count("chain") >= 0.8 * len(run[20:]) and {"tree2", "tree8"} <= set(run)
     record = verifier.decisions()["tree"]
     assert record["choice"]["tokens_per_s"]["chain"] == pytest.approx(20.0, rel=0.01)
     assert "tree" in verifier.decisions()["actions"]
 
 
 def test_trees_compete_with_the_plain_steps_of_a_chain_policy_gone_plain():
-    """Chains accept nothing, so the chain policy falls back to plain steps; a tree of 4 emits 4
-    tokens in the same 0.1 s (its chain path: 1). Trees must take over from the plain steps."""
+    """Chains accept nothing, so the chain policy falls back to plain steps (1 token in 0.1 s). A
+    tree of 4 emits 4 tokens (its chain path: 1), first in 0.45 s (slower than plain), then in
+    0.1 s: once an exploration measures that, trees must take over from the plain steps."""
     verifier = AdaptiveVerifier({**PINNED, "tree": "auto", "tree_budgets": [4], "tree_explore_every": 4})
     logits = random_marginals(0, 4, 9)
     kinds = []
-    for _ in range(80):
+    for cycle in range(120):
         draft = Draft(NP.argmax(logits), 4, logits=logits)
         n = verifier.plan(draft, 4, 100) if verifier.wants_draft(4, 100) else 0
         tree = verifier.tree(NP, draft.truncated(n, NP), 1) if n else None
         if tree is not None:
-            verifier.observe(Verification(3, [1, 2, 3, 4], (0, 1, 2, 3), 0), tree.num_drafted, CycleTiming(100, 4, 4, 0.1))
+            verifier.observe(Verification(3, [1, 2, 3, 4], (0, 1, 2, 3), 0), tree.num_drafted,
+                             CycleTiming(100, 4, 4, 0.45 if cycle < 40 else 0.1))
         else:
             verifier.observe(Verification(0, [5]), n, CycleTiming(100, n, 4 if n else 0, 0.1))
         kinds.append("tree" if tree is not None else "chain" if n else "plain")
-    assert "plain" in kinds and kinds[20:].count("tree") >= 0.8 * len(kinds[20:])
+    assert kinds[:40].count("plain") >= 20  # the policy went plain while trees were slower
+    assert kinds[90:].count("tree") >= 0.8 * 30
 
 
 def test_tree_off_and_drafts_without_distributions_verify_chains():
@@ -112,12 +116,14 @@ def adaptive_engine(pair, backend="torch", **options):
 def test_adaptive_with_trees_equals_plain_greedy(real_pair, backend):
     plain = plain_tokens(real_pair["target"], backend)
     engine = adaptive_engine(real_pair, backend)
+    trees = 0
     for _ in range(2):  # the choice carries over between requests
         result = engine.run(prompt_ids=PROMPT, max_new_tokens=len(plain), ignore_eos=True)
         assert result.token_ids == plain
+        trees += result.stats.verifier["tree"]["trees"]
     record = result.stats.verifier["tree"]
     chosen = record["choice"]["chosen"]
-    assert min(chosen.values()) >= 3 and record["trees"] > 0, record  # every arm measured, trees run
+    assert min(chosen.values()) >= 3 and trees > 0, record  # every arm measured, trees run
 
 
 def test_adaptive_tree_cycles_follow_the_target_at_temperature_0_8(real_pair):

@@ -118,6 +118,10 @@ class TreeVerifier(Verifier):
         return record
 
 
+SLOW_CYCLE = 4.0  # a cycle's seconds count at most this many times its arm's average
+FAR_BEHIND = 0.5  # an arm below this share of the best's rate is explored at the widest spacing at once
+
+
 class CostChoice:
     """Which of ``arms`` (the chain ``arms[0]``, then trees) runs the next drafted cycle.
 
@@ -128,8 +132,9 @@ class CostChoice:
     for cycles beside a prompt-lookup copy (a chain there verifies the copy and runs no drafter).
     Each arm first runs ``WARMUP`` times; then the arm with the most tokens per second runs, and an
     arm measured slower runs again ``explore_every`` cycles later, that spacing doubling (up to
-    ``BACKOFF_MOST`` times) while it stays slower, back to ``explore_every`` when the best arm
-    changes. It reads only finished cycles, so a choice never depends on the cycle it is made for."""
+    ``BACKOFF_MOST`` times; at once for an arm at under half the best's rate) while it stays
+    slower, back to ``explore_every`` when the best arm changes. A cycle's seconds count at most
+    ``SLOW_CYCLE`` times its arm's average, so one compile does not price an arm. It reads only finished cycles, so a choice never depends on the cycle it is made for."""
 
     WARMUP = 3
     ALPHA = 0.2  # weight of a new measurement
@@ -151,7 +156,10 @@ class CostChoice:
             due = [a for a in self.arms if a != arm and side.cycles >= side.explore_at[a]]
             if due:
                 arm = min(due, key=side.explore_at.__getitem__)
-                side.spacing[arm] = min(2 * side.spacing[arm], self.BACKOFF_MOST * self.explore_every)
+                rates = side.rates()
+                far_behind = (rates[arm] or 0.0) < FAR_BEHIND * (rates[side.leader] or 0.0)
+                most = self.BACKOFF_MOST * self.explore_every
+                side.spacing[arm] = most if far_behind else min(2 * side.spacing[arm], most)
                 side.explore_at[arm] = side.cycles + side.spacing[arm]
                 self.explored += 1
         self.chosen[arm] += 1
@@ -189,6 +197,8 @@ class _Side:
         self.explore_at = dict.fromkeys(arms, explore_every)
 
     def record(self, arm: str, emitted: int, seconds: float, chain_emitted: int | None, alpha: float) -> None:
+        if self.seconds[arm] is not None:  # one slow cycle (a compile, a page fault) must not price an arm
+            seconds = min(seconds, SLOW_CYCLE * self.seconds[arm])
         for table, value in ((self.emitted, emitted), (self.seconds, seconds), (self.chain_emitted, chain_emitted)):
             if value is not None:
                 old = table[arm]

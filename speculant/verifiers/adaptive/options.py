@@ -43,7 +43,7 @@ class AdaptiveOptions(UserModel):
                                          "verifies the chain or a tree of one of tree_budgets nodes, whichever has emitted the "
                                          "most tokens per second (each measured first); off (default: auto ran 0.94x on the shipped pair's CPU): chains only")
     tree_budgets: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
-        [8, 32], min_length=1, max_length=8, description="the tree sizes (drafted nodes, B) tree = auto measures and chooses from")
+        [4, 8, 32], min_length=1, max_length=8, description="the tree sizes (drafted nodes, B) tree = auto measures and chooses from")
     tree_width: int = Field(8, ge=1, le=64, description="most candidates per tree depth (K)")
     tree_explore_every: int = Field(32, ge=2, le=COUNT_MAX, description="with tree = auto, every n-th eligible cycle "
                                     "runs an arm (chain or tree size) measured slower, so its cost stays known")
