@@ -615,3 +615,18 @@ def test_copy_cycles_between_model_cycles_change_no_decision():
     alone = run(None)
     assert run(DraftSource.LOOKUP) == alone
     assert run(DraftSource.MODEL) != alone  # learned from, the same copies change the decisions
+
+
+def test_a_draft_after_a_backlog_may_lower_the_draft_cost_but_never_raise_it():
+    """A draft call after a run of plain steps (or a request's first) first reads every target row
+    the drafter has not seen: it bounds a steady call from above and must not price one."""
+    costs = CostModel()
+    for _ in range(3):
+        costs.add_draft(1e-3)
+    costs.add_draft(8e-3, backlog=True)
+    assert costs.draft_s() == pytest.approx(1e-3)
+    costs.add_draft(0.5e-3, backlog=True)
+    assert costs.draft_s() < 1e-3
+    costs.add_draft(8e-3)  # a steady call that slow is news
+    assert costs.draft_s() > 1e-3
+

@@ -110,9 +110,16 @@ class CostModel:
         entry.add(seconds / self.load, self.alpha)
         self._version += 1
 
-    def add_draft(self, seconds: float) -> None:
-        if seconds > 0.0:
-            self.draft.add(seconds / self.load, self.alpha)
+    def add_draft(self, seconds: float, backlog: bool = False) -> None:
+        """A draft call's seconds; ``backlog``: the call first read many target rows (the prompt,
+        or those of a run of plain steps), so it is only an upper bound of a steady call's and
+        may lower the estimate, never raise it (once a few calls are known)."""
+        if seconds <= 0.0:
+            return
+        value = seconds / self.load
+        if backlog and self.draft.count >= RunningMean.TRUSTED and value >= self.draft.mean:
+            return
+        self.draft.add(value, self.alpha)
 
     def add_rest(self, seconds: float) -> None:
         if seconds > 0.0:

@@ -27,6 +27,7 @@ from speculant.verifiers.adaptive.states import WARMUP, Action, CyclePlan, Estim
 
 TRUSTED = RunningMean.TRUSTED
 CHECK_EVERY = 4  # cycles between speculation-vs-plain comparisons unless the margin is thin
+PROMPT_UNREAD = 1 << 20  # plain_run at a request's start: the drafter has not read the prompt
 REFRESH_SOON = 8  # speculative cycles between plain steps while the plain-step cost is uncertain
 
 
@@ -50,6 +51,7 @@ class AdaptivePolicy:
         r.events, r.cycle, r.k_block = [], 0, 1
         self.this_cycle.action = None
         self.schedule.checks_due = 0
+        self.schedule.plain_run = PROMPT_UNREAD  # the drafter's first call reads the whole prompt
         self.acceptance.forget(self.o.request_carryover)
         self.drift.reset()
         self.probes.begin_request(self.mode is Mode.FALLBACK)
@@ -150,6 +152,7 @@ class AdaptivePolicy:
         c.confidence = None
         self.acceptance.tick()
         self.schedule.since_plain = 0 if submitted == 0 else self.schedule.since_plain + 1
+        self.schedule.plain_run = self.schedule.plain_run + 1 if submitted == 0 else 0
         if action in (Action.PLAIN_SHORT, Action.PLAIN_MAX_CONTEXT):
             return action
         if self.mode is Mode.WARMUP:
@@ -175,12 +178,13 @@ class AdaptivePolicy:
         self.request.cycle += 1
         self.probes.cycle_done(False, token_ids)
         self.schedule.since_plain += 1
+        self.schedule.plain_run = 0
         return Action.TREE
 
     def _learn_costs(self, submitted: int, timing: CycleTiming, verify_s: float) -> None:
         self.costs.add_target(submitted + 1, timing.context_length, timing.target_s)
         if timing.drafted:
-            self.costs.add_draft(timing.draft_s)
+            self.costs.add_draft(timing.draft_s, backlog=self.schedule.plain_run > 1)
         self.costs.add_rest(timing.commit_s + verify_s)
         self.request.context_length = timing.context_length
 

@@ -86,4 +86,5 @@ class Schedule:
     checks_due: int = 0  # cycles until it is redone (estimates move slowly)
     rate: float = 0.0  # tokens per second to beat: max(plain, best speculative)
     since_plain: int = 0  # cycles since the last plain step
+    plain_run: int = 0  # plain steps in a row just before this cycle (the drafter's unread target rows)
     speculated: int = 0  # speculative decisions made (schedules exploration)
