@@ -134,7 +134,8 @@ class CostChoice:
     arm measured slower runs again ``explore_every`` cycles later, that spacing doubling (up to
     ``BACKOFF_MOST`` times; at once for an arm at under half the best's rate) while it stays
     slower, back to ``explore_every`` when the best arm changes. A cycle's seconds count at most
-    ``SLOW_CYCLE`` times its arm's average, so one compile does not price an arm. It reads only finished cycles, so a choice never depends on the cycle it is made for."""
+    ``SLOW_CYCLE`` times its arm's average, so one compile does not price an arm. It reads only
+    finished cycles, so a choice never depends on the cycle it is made for."""
 
     WARMUP = 3
     ALPHA = 0.2  # weight of a new measurement
@@ -152,12 +153,12 @@ class CostChoice:
         side.cycles += 1
         arm = next((a for a in self.arms if side.measured[a] < self.WARMUP), None)
         if arm is None:
-            arm = side.best()
-            due = [a for a in self.arms if a != arm and side.cycles >= side.explore_at[a]]
+            rates = side.rates()
+            best = arm = side.lead(rates)
+            due = [a for a in self.arms if a != best and side.cycles >= side.explore_at[a]]
             if due:
                 arm = min(due, key=side.explore_at.__getitem__)
-                rates = side.rates()
-                far_behind = (rates[arm] or 0.0) < FAR_BEHIND * (rates[side.leader] or 0.0)
+                far_behind = (rates[arm] or 0.0) < FAR_BEHIND * (rates[best] or 0.0)
                 most = self.BACKOFF_MOST * self.explore_every
                 side.spacing[arm] = most if far_behind else min(2 * side.spacing[arm], most)
                 side.explore_at[arm] = side.cycles + side.spacing[arm]
@@ -219,8 +220,8 @@ class _Side:
                 out[arm] = per_cycle * (emitted / paired) / seconds
         return out
 
-    def best(self) -> str:
-        rates = self.rates()
+    def lead(self, rates: dict[str, float | None]) -> str:
+        """The arm with the best ``rates``; when it changes, every exploration spacing starts over."""
         best = max(self.arms, key=lambda a: rates[a] or 0.0)  # ties keep the arms' order: the chain first
         if best != self.leader:
             self.leader = best

@@ -59,10 +59,11 @@ class TreeArms:
         target without tree forwards, no speculation: ``draft`` None)."""
         preset, self.preset = self.preset, None
         self.host_s = 0.0
+        eligible = self._eligible(draft)
         if preset is None:
             self.copy = False
-            preset = self.choice.next() if self._eligible(draft) else None
-        if preset == CHAIN or (preset is not None and self._eligible(draft)):
+            preset = self.choice.next() if eligible else None
+        if preset == CHAIN or (preset is not None and eligible):
             self.arm = preset  # beside a copy, the chain arm's chain is the copy
         else:
             self.arm = None
