@@ -629,4 +629,3 @@ def test_a_draft_after_a_backlog_may_lower_the_draft_cost_but_never_raise_it():
     assert costs.draft_s() < 1e-3
     costs.add_draft(8e-3)  # a steady call that slow is news
     assert costs.draft_s() > 1e-3
-

@@ -74,7 +74,7 @@ def test_trees_compete_with_the_plain_steps_of_a_chain_policy_gone_plain():
 
 def test_tree_off_and_drafts_without_distributions_verify_chains():
     off = AdaptiveVerifier({**PINNED, "tree": "off"})
-    assert not AdaptiveVerifier(PINNED).builds_trees  # off by default (measured 0.94x on the shipped pair's CPU)
+    assert not AdaptiveVerifier(PINNED).builds_trees  # off by default (no measurable gain on a CPU: docs/tree-verification.md)
     assert not off.builds_trees and set(drive(off, 12, {"chain": 0.1})) == {"chain"}
     auto = AdaptiveVerifier({**PINNED, "tree": "auto"})
     draft = Draft(np.array([1, 2, 3]), 3)  # no per-position logits (an MTP or EAGLE draft)

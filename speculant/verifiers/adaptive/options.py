@@ -41,7 +41,7 @@ class AdaptiveOptions(UserModel):
     tree: Literal["auto", "off"] = Field("off", description="auto: with a drafter that gives per-position "
                                          "distributions (DFlash, DFlash2) and a target that takes trees, each speculative cycle "
                                          "verifies the chain or a tree of one of tree_budgets nodes, whichever has emitted the "
-                                         "most tokens per second (each measured first); off (default: auto ran 0.94x on the shipped pair's CPU): chains only")
+                                         "most tokens per second (each measured first); off (default: on a CPU trees gained nothing beyond the noise, docs/tree-verification.md): chains only")
     tree_budgets: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
         [4, 8, 32], min_length=1, max_length=8, description="the tree sizes (drafted nodes, B) tree = auto measures and chooses from")
     tree_width: int = Field(8, ge=1, le=64, description="most candidates per tree depth (K)")
