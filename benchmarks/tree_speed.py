@@ -3,6 +3,7 @@
     python benchmarks/tree_speed.py [--backend torch|mlx] [--target DIR --draft DIR --data DATA_DIR]
         [--prompts 8] [--max-new-tokens 64] [--repeats 3] [--temperature 0] [--lookup on|off]
         [--arms chain,adaptive,adaptive_tree,tree8,tree16] [--threads 1]
+        [--device cpu|cuda|mps] [--dtype float32|bfloat16] [--compile off|on|auto]
 
 Arms (one engine each, loaded once, every arm on the same prompts):
 
@@ -50,7 +51,9 @@ def base_config(args: argparse.Namespace) -> dict:
         config = embedded.engine_config(backend=args.backend)
     else:
         config = {"target": {"path": args.target}, "drafter": {"kind": args.drafter, "path": args.draft}}
-    config.setdefault("backend", {}).update({"kind": args.backend, "dtype": "float32"})
+    backend = {"kind": args.backend, "dtype": args.dtype}
+    backend.update({key: value for key, value in (("device", args.device), ("compile", args.compile)) if value})
+    config.setdefault("backend", {}).update(backend)
     config["drafter"]["lookup"] = {"enabled": args.lookup == "on"}
     return config
 
@@ -82,6 +85,9 @@ def main() -> None:
     p.add_argument("--lookup", default="on", choices=["on", "off"])
     p.add_argument("--arms", default="chain,adaptive,adaptive_tree,tree8,tree16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", help="backend.device (default: the backend's)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--compile", choices=["off", "on", "auto"], help="backend.compile (default: the backend's)")
     args = p.parse_args()
     if args.backend == "torch":
         import torch
@@ -127,7 +133,9 @@ def main() -> None:
                           "verifier": verifier_for(arm)}), flush=True)
     print(json.dumps({"backend": args.backend, "pair": "real" if args.target else "shipped", "prompts": len(prompts),
                       "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "temperature": args.temperature,
-                      "lookup": args.lookup, "greedy_mismatches": mismatches}))
+                      "lookup": args.lookup, "dtype": args.dtype, "compile": args.compile,
+                      "fast_path": {arm: engine.target.fast_path for arm, engine in engines.items()},
+                      "greedy_mismatches": mismatches}))
     if mismatches:
         raise SystemExit(f"{mismatches} greedy outputs differ between arms")
 

@@ -108,7 +108,10 @@ class Engine:
         """Compile the target's forwards for this engine's widths now (a no-op for eager targets);
         :func:`speculant.load_engine` calls it, so no request pays for compiling."""
         capture = self.drafter.info.capture if self.drafter is not None else Capture()
-        self.target.warm_up(self.block_size, capture)
+        if self.verifier.builds_trees and self.drafter is not None:  # (only then: older plugin targets take two)
+            self.target.warm_up(self.block_size, capture, tree_sizes=[b + 1 for b in self.verifier.tree_budgets])
+        else:
+            self.target.warm_up(self.block_size, capture)
 
     @property
     def tokenizer(self):

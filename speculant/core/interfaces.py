@@ -84,9 +84,10 @@ class TargetModel(ABC):
         ``cuttable`` snapshot is cut); False (the default) when this target cannot."""
         return False
 
-    def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
-        """Build the compiled forwards of every verify width up to ``block_size`` (with ``capture``)
-        now rather than inside the first requests; nothing for an eager target (the default)."""
+    def warm_up(self, block_size: int, capture: Capture = Capture(), tree_sizes: Sequence[int] = ()) -> None:
+        """Build the compiled forwards of every verify width up to ``block_size`` (with ``capture``),
+        and of draft trees of ``tree_sizes`` nodes, now rather than inside the first requests;
+        nothing for an eager target (the default)."""
 
     def greedy_steps(self, anchor_id: int) -> "Iterator[int] | None":
         """Optional fast path for plain greedy decoding: from ``anchor_id`` (the last token, not yet in
@@ -335,6 +336,8 @@ class Verifier(ABC):
     allows_draft_ahead: ClassVar[bool] = True
     # Whether tree() may return draft trees (the engine then asks the target whether it takes them).
     builds_trees: ClassVar[bool] = False
+    # The node budgets of the trees it builds (the root not counted), for a target to compile ahead.
+    tree_budgets: tuple[int, ...] = ()
 
     def __init__(self, options: dict | None = None) -> None:
         self.options = options or {}

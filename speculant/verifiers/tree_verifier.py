@@ -50,6 +50,7 @@ class TreeVerifier(Verifier):
         super().__init__(options)
         settings = TreeOptions(**self.options)
         self.budget, self.width = settings.budget, settings.width
+        self.tree_budgets = (self.budget,)
         self.shape = TreeShape(settings.scores)
         self.fallback: str | None = None
         self._stats = TreeStats()

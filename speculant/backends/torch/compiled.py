@@ -29,6 +29,9 @@ launches), not arithmetic. A compiled graph removes most of it, but only for fix
   request moves its rows into an eager :class:`RollbackCache` and finishes there; the next request
   is back on the fast path.
 
+Draft trees (the ``tree`` verifier) run over the same static cache through graphs of their own,
+one per padded node count, taking the tree's mask and positions as inputs (``static_tree.py``).
+
 On CUDA the graphs are captured as CUDA graphs (``mode="reduce-overhead"``): the static cache
 keeps every address fixed, and outputs are cloned because a replay reuses their memory. This is
 untested here (no GPU was available when it was written).
@@ -238,10 +241,11 @@ class CompiledSteps:
     """``torch.compile``d forwards over a :class:`StaticKV`, one per (width, capture), built lazily."""
 
     def __init__(self, step: Callable, device: torch.device) -> None:
-        self._step = step  # step(ids [1, k], capture) -> (logits, features, final): the eager forward
+        self._step = step  # step(ids [1, k], capture, **tree_inputs) -> (logits, features, final): the eager forward
         self._graphs: dict[tuple, Callable] = {}
         self._codes: list[types.CodeType] = []
         self.widths: set[int] = set()
+        self.tree_widths: set[int] = set()
         self.compile_s = 0.0
         self.failure: str | None = None
         self._cuda = device.type == "cuda"
@@ -252,36 +256,46 @@ class CompiledSteps:
         self._graphs.clear()
         self._codes.clear()
         self.widths.clear()
+        self.tree_widths.clear()
 
     @staticmethod
     def padded_width(width: int) -> int:
         return 1 << (width - 1).bit_length()
 
-    def __call__(self, ids: torch.Tensor, capture):
+    def tree_width(self, nodes: int) -> int:
+        """The rows a tree of ``nodes`` runs as: the narrowest tree graph compiled for it (a tree cut
+        short at a request's end runs its budget's graph rather than compiling one), else a new one."""
+        return min((w for w in self.tree_widths if w >= nodes), default=self.padded_width(nodes))
+
+    def __call__(self, ids: torch.Tensor, capture, tree_inputs: Callable[[int], dict] | None = None):
+        """The forward of ``ids`` through its width's graph. ``tree_inputs(padded)``: a draft tree's
+        mask and positions for that many rows (static_tree.py), run by graphs of their own."""
         width = int(ids.shape[0])
-        padded = self.padded_width(width)
+        padded = self.padded_width(width) if tree_inputs is None else self.tree_width(width)
         # padding: any token id will do, its rows are never read. Always a new tensor made here,
         # under inference mode, so that every call's input has the same dispatch keys (a tensor
         # made outside inference mode would fail the graph's guards and recompile it)
         ids = torch.cat([ids, ids[-1:].expand(padded - width)])
-        key = (padded, capture)
+        args = (ids[None, :],) if tree_inputs is None else (ids[None, :], tree_inputs(padded))
+        key = (padded, capture, tree_inputs is not None)
         graph = self._graphs.get(key)
-        out = self._first_call(key, ids, capture) if graph is None else graph(ids[None, :])
+        out = self._first_call(key, args, capture) if graph is None else graph(*args)
         return tuple(None if x is None else (x[:width].clone() if self._cuda else x[:width]) for x in out)
 
-    def _first_call(self, key, ids, capture):
+    def _first_call(self, key, args, capture):
         """Compile the width's graph (the first call traces and compiles), timed."""
         step = self._step
 
-        def run(batch):
-            return step(batch, capture)
+        def run(batch, tree_inputs=None):
+            return step(batch, capture, **(tree_inputs or {}))
 
         # a code object of its own: dynamo caches per code object, so widths never share an entry
-        run = types.FunctionType(run.__code__.replace(), run.__globals__, f"width_{key[0]}", None, run.__closure__)
+        name = f"{'tree' if key[2] else 'width'}_{key[0]}"
+        run = types.FunctionType(run.__code__.replace(), run.__globals__, name, run.__defaults__, run.__closure__)
         graph = torch.compile(run, fullgraph=True, dynamic=False, **self._options)
         started = time.perf_counter()
         try:
-            out = graph(ids[None, :])
+            out = graph(*args)
         except Exception as exc:  # dynamo / inductor refused the forward: nothing of it ran
             self.failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
             raise CompileFailed(self.failure) from exc
@@ -289,7 +303,7 @@ class CompiledSteps:
             self.compile_s += time.perf_counter() - started
         self._graphs[key] = graph
         self._codes.append(run.__code__)
-        self.widths.add(key[0])
+        (self.tree_widths if key[2] else self.widths).add(key[0])
         return out
 
     @property
@@ -303,4 +317,6 @@ class CompiledSteps:
         if self.failure is not None:
             return f"eager: compiling failed ({self.failure})"
         widths = ", ".join(str(w) for w in sorted(self.widths)) or "none yet"
-        return f"compiled: widths {widths}; static cache {rows}; compile {self.compile_s:.1f} s"
+        trees = ", ".join(str(w) for w in sorted(self.tree_widths))
+        trees = f"; trees {trees}" if trees else ""
+        return f"compiled: widths {widths}{trees}; static cache {rows}; compile {self.compile_s:.1f} s"

@@ -14,6 +14,7 @@ from speculant.backends.torch.loading import logit_transform
 from speculant.backends.torch import layouts, prefix
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
+from speculant.backends.torch.static_tree import HYBRID_PROBLEM, attention_windows, commit_static_path, tree_inputs
 from speculant.backends.torch.tree import commit_path, install_tree_conv, tree_mask, tree_nodes
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.interfaces import TargetModel
@@ -124,6 +125,7 @@ class TorchTarget(TargetModel):
         rows, self._max_rows = static_rows(self.model.config, device)
         self._static = StaticKV(self.model.config, rows)
         self._steps = CompiledSteps(self._static_step, device)
+        self._windows = attention_windows(self.model.config)  # the masks of a tree over the static cache
         return ""
 
     @property
@@ -132,15 +134,20 @@ class TorchTarget(TargetModel):
             return self._eager_reason
         return self._steps.describe(self._static.rows) + (f"; {self._layout_note}" if self._layout_note else "")
 
-    def warm_up(self, block_size: int, capture: Capture = Capture()) -> None:
+    def warm_up(self, block_size: int, capture: Capture = Capture(), tree_sizes: Sequence[int] = ()) -> None:
         """Compile, now rather than inside the first requests, the graph of every width a block of
-        ``block_size`` can use (widths 1 .. block_size, padded to powers of two); eager targets: nothing."""
+        ``block_size`` can use (widths 1 .. block_size, padded to powers of two) and of trees of
+        ``tree_sizes`` nodes where the target takes trees; eager targets: nothing."""
         if self._steps is None:
             return
         self.reset()
         self.prefill([0], capture)
         for width in (1 << j for j in range(self._steps.padded_width(block_size).bit_length())):
             self.forward(self.backend.int_array([0] * width), capture)
+            self.crop(1)
+        for size in sorted(tree_sizes) if self.tree_problem() is None else ():
+            self.forward_tree(DraftTree.chain([0] * size), capture)
+            self.commit_tree(1, [0])
             self.crop(1)
         self.reset()
 
@@ -179,18 +186,21 @@ class TorchTarget(TargetModel):
         features, final = self._recorder.finish(capture)
         return ForwardOutput(logits=out.logits[0], features=features, final_hidden=final)
 
-    def _static_step(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int = 0):
-        """One forward over the static cache (``ids`` [1, k]): what a compiled graph runs."""
+    def _static_step(self, ids: torch.Tensor, capture: Capture, logits_to_keep: int = 0, **tree_inputs):
+        """One forward over the static cache (``ids`` [1, k]; a tree's mask and positions): what a
+        compiled graph runs."""
         self._recorder.start(capture)
         cache = {self._cache_kwarg: self._static.cache}
-        out = self.model(input_ids=ids, **cache, use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(input_ids=ids, **cache, use_cache=True, logits_to_keep=logits_to_keep, **tree_inputs)
         features, final = self._recorder.finish(capture)
         return out.logits[0], features, final
 
     @torch.inference_mode()
-    def _run_static(self, ids: torch.Tensor, capture: Capture, compiled: bool, prompt: bool = False) -> ForwardOutput:
+    def _run_static(self, ids: torch.Tensor, capture: Capture, compiled: bool, prompt: bool = False,
+                    tree=None) -> ForwardOutput:
         """A forward over the static cache: a prompt chunk (eager, its last logits only), or a
-        verify block / decode step, compiled or not, whose Gated DeltaNet states are recorded."""
+        verify block / decode step, compiled or not, whose Gated DeltaNet states are recorded, or a
+        draft tree (``tree(padded)``: its mask and positions, static_tree.py)."""
         static, width, start = self._static, int(ids.shape[0]), self._static.length
         recording = static.hybrid and not prompt
         if recording:
@@ -198,13 +208,14 @@ class TorchTarget(TargetModel):
         try:
             with recording_into(static.cache) if recording else contextlib.nullcontext():
                 if compiled:
-                    logits, features, final = self._steps(ids, capture)
+                    logits, features, final = self._steps(ids, capture, tree)
                 else:
-                    logits, features, final = self._static_step(ids[None, :], capture, 1 if prompt else 0)
+                    inputs = tree(width) if tree is not None else {}
+                    logits, features, final = self._static_step(ids[None, :], capture, 1 if prompt else 0, **inputs)
         except CompileFailed:  # this request finishes eager over the static cache, later ones on a RollbackCache
             self._recorder.finish(Capture())
             static.set_length(start)  # the write position as before the failed call
-            return self._run_static(ids, capture, compiled=False, prompt=prompt)
+            return self._run_static(ids, capture, compiled=False, prompt=prompt, tree=tree)
         except BaseException:  # e.g. Ctrl-C inside the forward: stop recording, keep the original error
             self._recorder.finish(Capture())
             raise
@@ -262,12 +273,22 @@ class TorchTarget(TargetModel):
         linear = [i for i, kind in enumerate(self.info.layer_types) if kind == "linear_attention"]
         if problem is None and not set(linear) <= self._recorded_layers:
             problem = f"linear_attention layers {sorted(set(linear) - self._recorded_layers)} run a delta rule speculant does not reach"
-        if problem is None and self._steps is not None:
-            problem = "the compiled path's static cache takes no tree (backend.compile = 'off' verifies trees)"
+        if problem is None and self._steps is not None and self._static.hybrid:
+            problem = HYBRID_PROBLEM
         return problem
 
     def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
-        """Every node of ``tree`` in one forward (tree.py: positions, the ancestor-only mask)."""
+        """Every node of ``tree`` in one forward (tree.py: positions, the ancestor-only mask; over
+        the compiled path's static cache, static_tree.py)."""
+        width = self._steps.tree_width(tree.size) if self._on_static else 0
+        if self._on_static and not self._static.fits(width):
+            self._outgrown(width)
+        if self._on_static:
+            self._tree = tree
+            inputs = tree_inputs(self._windows, tree, self._static.length, self._static.rows, self.model.dtype,
+                                 self.model.device)
+            ids = self.backend.int_array(tree.tokens)
+            return self._run_static(ids, capture, compiled=self._steps.failure is None, tree=inputs)
         device = self.model.device
         mask = tree_mask(self.cache, tree, self.model.dtype, device)
         positions = torch.tensor([tree.positions(self.cache_length)], device=device)
@@ -281,6 +302,9 @@ class TorchTarget(TargetModel):
         tree, self._tree = self._tree, None
         if tree is None or self.cache_length != length + tree.size:
             raise RuntimeError(f"commit_tree({length}) must follow forward_tree over a cache of {length} positions")
+        if self._on_static:
+            commit_static_path(self._static, length, tree, path)
+            return
         commit_path(self.cache, tree, path)
 
     def new_batch(self, layout: str = "padded"):

@@ -44,12 +44,17 @@ def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
         if kind in masks:
             continue
         cached = int(layer.keys.shape[-2]) if layer.is_initialized else 0
-        allowed = torch.as_tensor(tree.visibility(cached, layer.sliding_window if sliding else None), device=device)
-        zero = torch.zeros((), dtype=dtype, device=device)
-        masks[kind] = torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+        masks[kind] = additive_mask(tree.visibility(cached, layer.sliding_window if sliding else None), dtype, device)
     if len(masks) == 1:
         return next(iter(masks.values()))
     return masks
+
+
+def additive_mask(allowed, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[1, 1, *allowed.shape]``: 0 where ``allowed``, the dtype's lowest value elsewhere."""
+    allowed = torch.as_tensor(allowed, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
 @torch.inference_mode()

@@ -63,6 +63,7 @@ class AdaptiveVerifier(Verifier):
         o = self.settings
         self.trees = TreeArms(o.tree_budgets, o.tree_width, o.tree_explore_every) if o.tree == "auto" else None
         self.builds_trees = self.trees is not None
+        self.tree_budgets = tuple(self.trees.budgets.values()) if self.trees is not None else ()
         self._verify_s = 0.0
         self.begin(0)
 

@@ -1,0 +1,98 @@
+"""Draft trees over the PyTorch target's compiled path (backends/torch/static_tree.py): the tree's
+mask and positions over the static cache, graphs of their own compiled at load, the accepted path
+copied into place; greedy identity with plain greedy on dense and sliding-window targets, and
+each rule broken on purpose breaking it. Compiling takes seconds to minutes a graph on the test
+CPU, so these tests are slow."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from speculant.api import load_engine  # noqa: E402
+from speculant.backends.torch import static_tree  # noqa: E402
+from speculant.backends.torch import target as torch_target  # noqa: E402
+from speculant.core.tree import GATHER  # noqa: E402
+from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
+from speculant.testing.tiny import build_tiny_target  # noqa: E402
+from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+PROMPT = list(range(5, 15))
+NEW = 48  # crosses the sliding window (16)
+MISTAKES = [2, 0, -1, 4, 1]  # the planted drafter's spoiled block position per cycle
+TREE = {"kind": "tree", "options": {"budget": 12, "width": 2}}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, torch_threads):
+    root = tmp_path_factory.mktemp("compiled_trees")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = (build_tiny_target(root / name) if name == "qwen3"
+                           else build_tiny_family(root / name, name, sliding_window=16))
+        return built[name]
+
+    return get
+
+
+def plain_tokens(path) -> list[int]:
+    engine = load_engine({"backend": {**BACKEND, "compile": "off"}, "target": {"path": str(path)}})
+    return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids
+
+
+def compiled(path, plain, verifier=TREE):
+    drafter = {"kind": "planted", "options": {"script": [[PROMPT, plain]], "mistakes": MISTAKES}, "block_size": 8}
+    config = {"backend": {**BACKEND, "compile": "on"}, "target": {"path": str(path)}, "drafter": drafter,
+              "verifier": verifier}
+    return load_engine(config, registry=registry_with_planted())
+
+
+def run(engine):
+    return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True)
+
+
+def first_children(tree, accepted):
+    """The accepted path with every node replaced by its parent's first child (the chain's node)."""
+    return [0] + [min(tree.children()[tree.parents[n]].values()) for n in accepted[1:]]
+
+
+# dense (one mask); Gemma 3: sliding + full layers (a mask per kind)
+@pytest.mark.parametrize("name", ("qwen3", "gemma3_text"))
+def test_compiled_trees_equal_plain_greedy_and_compile_nothing_per_request(targets, name, monkeypatch):
+    path = targets(name)
+    plain = plain_tokens(path)
+    engine = compiled(path, plain)
+    said = engine.target.fast_path
+    assert said.startswith("compiled: widths 1, 2, 4, 8; trees 16;"), said  # budget 12: 13 nodes, one graph
+    first, second = run(engine), run(engine)
+    for result in (first, second):
+        assert result.token_ids == plain
+        record = result.stats.verifier
+        assert record["trees"] > 0 and "fallback" not in record and sum(record["branch_used_per_depth"]) > 0, record
+    assert engine.target.fast_path.startswith("compiled: widths 1, 2, 4, 8; trees 16;"), engine.target.fast_path
+    assert engine.target._steps.recompiles == 0  # trees cut short at the end ran the budget's graph
+    monkeypatch.setattr(GATHER, "keep", first_children)
+    assert run(engine).token_ids != plain  # a commit that keeps the chain's rows instead of the path's
+
+
+def test_a_tree_mask_that_ignores_the_sliding_window_breaks_greedy_identity(targets, monkeypatch):
+    path = targets("gemma3_text")
+    plain = plain_tokens(path)
+    full = static_tree.attention_windows
+    monkeypatch.setattr(torch_target, "attention_windows", lambda config: {kind: None for kind in full(config)})
+    assert run(compiled(path, plain)).token_ids != plain
+
+
+def test_a_compiled_hybrid_target_verifies_chains_and_says_why(tmp_path, torch_threads):
+    path = build_tiny_family(tmp_path / "hybrid", "qwen3_5")
+    plain = plain_tokens(path)
+    result = run(compiled(path, plain))
+    assert result.token_ids == plain
+    record = result.stats.verifier
+    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "per tree node" in record["fallback"], record
