@@ -109,7 +109,10 @@ class Engine:
         :func:`speculant.load_engine` calls it, so no request pays for compiling."""
         capture = self.drafter.info.capture if self.drafter is not None else Capture()
         if self.verifier.builds_trees and self.drafter is not None:  # (only then: older plugin targets take two)
-            self.target.warm_up(self.block_size, capture, tree_sizes=[b + 1 for b in self.verifier.tree_budgets])
+            # a tree of budget b has b + 1 nodes, and up to a block more with a prompt-lookup copy branch
+            copy = [self.block_size] if self.config.drafter.lookup.enabled else []
+            sizes = {b + 1 + extra for b in self.verifier.tree_budgets for extra in [0, *copy]}
+            self.target.warm_up(self.block_size, capture, tree_sizes=sorted(sizes))
         else:
             self.target.warm_up(self.block_size, capture)
 

@@ -30,7 +30,8 @@ launches), not arithmetic. A compiled graph removes most of it, but only for fix
   is back on the fast path.
 
 Draft trees (the ``tree`` verifier) run over the same static cache through graphs of their own,
-one per padded node count, taking the tree's mask and positions as inputs (``static_tree.py``).
+taking the tree's mask and positions as inputs (``static_tree.py``), one per tree budget of
+exactly its node count (a padding row costs what a node does), compiled at load.
 
 On CUDA the graphs are captured as CUDA graphs (``mode="reduce-overhead"``): the static cache
 keeps every address fixed, and outputs are cloned because a replay reuses their memory. This is
@@ -246,6 +247,7 @@ class CompiledSteps:
         self._codes: list[types.CodeType] = []
         self.widths: set[int] = set()
         self.tree_widths: set[int] = set()
+        self.planned_trees: set[int] = set()  # node counts whose tree graphs run exactly that many rows
         self.compile_s = 0.0
         self.failure: str | None = None
         self._cuda = device.type == "cuda"
@@ -263,9 +265,11 @@ class CompiledSteps:
         return 1 << (width - 1).bit_length()
 
     def tree_width(self, nodes: int) -> int:
-        """The rows a tree of ``nodes`` runs as: the narrowest tree graph compiled for it (a tree cut
-        short at a request's end runs its budget's graph rather than compiling one), else a new one."""
-        return min((w for w in self.tree_widths if w >= nodes), default=self.padded_width(nodes))
+        """The rows a tree of ``nodes`` runs as: the narrowest planned or compiled tree graph that
+        holds it (a tree cut short at a request's end runs its budget's graph rather than compiling
+        one), else a new one of the next power of two."""
+        widths = self.tree_widths | self.planned_trees
+        return min((w for w in widths if w >= nodes), default=self.padded_width(nodes))
 
     def __call__(self, ids: torch.Tensor, capture, tree_inputs: Callable[[int], dict] | None = None):
         """The forward of ``ids`` through its width's graph. ``tree_inputs(padded)``: a draft tree's

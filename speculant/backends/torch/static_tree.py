@@ -6,9 +6,10 @@ start + T`` like a chain block and needs only its own mask and positions:
 
 - **Mask** ``[1, 1, padded, rows]`` per attention kind: node ``i`` sees the cached rows a chain
   token at its position would see (under a sliding window, those fewer than ``window`` positions
-  back) and, among the tree's rows, its ancestors and itself. A compiled graph runs a power-of-two
-  ``padded`` node count; each padding row sees only itself, its outputs are dropped, and the next
-  forward overwrites what it wrote.
+  back) and, among the tree's rows, its ancestors and itself. A compiled graph may run more rows
+  than the tree has nodes (``padded``: its budget's graph, compiled.py ``tree_width``); each
+  padding row sees only itself, its outputs are dropped, and the next forward overwrites what it
+  wrote.
 - **Commit**: the accepted path's rows are copied, in path order, to rows ``start ..`` in place
   (the graphs read the buffers at fixed addresses), and the write position moves to the path's end.
 

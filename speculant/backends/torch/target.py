@@ -137,7 +137,8 @@ class TorchTarget(TargetModel):
     def warm_up(self, block_size: int, capture: Capture = Capture(), tree_sizes: Sequence[int] = ()) -> None:
         """Compile, now rather than inside the first requests, the graph of every width a block of
         ``block_size`` can use (widths 1 .. block_size, padded to powers of two) and of trees of
-        ``tree_sizes`` nodes where the target takes trees; eager targets: nothing."""
+        exactly ``tree_sizes`` nodes (padding a tree costs what more nodes would) where the target
+        takes trees; eager targets: nothing."""
         if self._steps is None:
             return
         self.reset()
@@ -145,7 +146,9 @@ class TorchTarget(TargetModel):
         for width in (1 << j for j in range(self._steps.padded_width(block_size).bit_length())):
             self.forward(self.backend.int_array([0] * width), capture)
             self.crop(1)
-        for size in sorted(tree_sizes) if self.tree_problem() is None else ():
+        tree_sizes = sorted(tree_sizes) if self.tree_problem() is None else ()
+        self._steps.planned_trees.update(tree_sizes)
+        for size in tree_sizes:
             self.forward_tree(DraftTree.chain([0] * size), capture)
             self.commit_tree(1, [0])
             self.crop(1)
