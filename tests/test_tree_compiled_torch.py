@@ -1,7 +1,8 @@
 """Draft trees over the PyTorch target's compiled path (backends/torch/static_tree.py): the tree's
 mask and positions over the static cache, graphs of their own compiled at load, the accepted path
 copied into place; greedy identity with plain greedy on dense and sliding-window targets, and
-each rule broken on purpose breaking it. Compiling takes seconds to minutes a graph on the test
+each rule broken on purpose breaking it; Gated DeltaNet hybrids too (their trees eager over
+the static cache). Compiling takes seconds to minutes a graph on the test
 CPU, so these tests are slow."""
 
 from __future__ import annotations
@@ -89,10 +90,22 @@ def test_a_tree_mask_that_ignores_the_sliding_window_breaks_greedy_identity(targ
     assert run(compiled(path, plain)).token_ids != plain
 
 
-def test_a_compiled_hybrid_target_verifies_chains_and_says_why(tmp_path, torch_threads):
-    path = build_tiny_family(tmp_path / "hybrid", "qwen3_5")
+@pytest.mark.parametrize("name", ("qwen3_5", "qwen3_next"))  # Gated DeltaNet 3 : 1 full attention
+def test_compiled_hybrid_trees_equal_plain_greedy(tmp_path, torch_threads, name, monkeypatch):
+    """A hybrid's trees run eagerly over the compiled path's static cache (chains stay compiled);
+    its Gated DeltaNet record holds every node's state. Installing the state of the last path
+    node's parent instead breaks identity."""
+    from speculant.backends.torch.recording_static import RecordingStaticCache
+
+    path = build_tiny_family(tmp_path / name, name)
     plain = plain_tokens(path)
-    result = run(compiled(path, plain))
+    engine = compiled(path, plain)
+    assert engine.target.fast_path.startswith("compiled: widths 1, 2, 4, 8;"), engine.target.fast_path
+    result = run(engine)
     assert result.token_ids == plain
     record = result.stats.verifier
-    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "per tree node" in record["fallback"], record
+    assert record["trees"] > 0 and "fallback" not in record and sum(record["branch_used_per_depth"]) > 0, record
+    keep_path = RecordingStaticCache.keep_path
+    monkeypatch.setattr(RecordingStaticCache, "keep_path", lambda cache, rows: keep_path(cache, rows[:-1] or rows))
+    broken = run(engine)
+    assert broken.token_ids != plain

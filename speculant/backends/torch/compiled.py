@@ -19,7 +19,7 @@ launches), not arithmetic. A compiled graph removes most of it, but only for fix
   logits are dropped. Each bucket's function gets a code object of its own, so
   dynamo's per-code cache holds exactly one entry per graph: a second entry is a recompilation,
   which :attr:`CompiledSteps.recompiles` counts (tests assert it stays 0).
-- **Capture.** The forward hooks that keep the requested layers' outputs (``target._Recorder``)
+- **Capture.** The forward hooks that keep the requested layers' outputs (``recorder.Recorder``)
   run inside the graph; the graph returns them as outputs, so DFlash / DFlash2 / MTP get the same
   features as from the eager forward (up to float rounding of the fused kernels).
 - **Prefill** stays eager (its length varies), writing into the same static cache.

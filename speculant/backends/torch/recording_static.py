@@ -91,6 +91,16 @@ class RecordingStaticCache(StaticCache):
             kernel = layer.conv_states[0].shape[-1]
             layer.conv_states[0].copy_(self.conv_record[index][..., kept : kept + kernel])
 
+    def keep_path(self, rows: list[int]) -> None:
+        """After a draft tree's forward (its nodes recorded in node order, each from its parent's
+        state): every linear layer's states as after the nodes ``rows`` alone, in order."""
+        for index, states in self.state_record.items():
+            layer = self.layers[index]
+            layer.recurrent_states[0].copy_(states[1 + rows[-1]])
+            kernel = layer.conv_states[0].shape[-1]
+            columns = [*range(kernel), *(kernel + r for r in rows)][-kernel:]
+            layer.conv_states[0].copy_(self.conv_record[index][..., columns])
+
     def restart(self) -> None:
         """Zero every linear layer's states for a new request (attention rows are masked by position)."""
         for index in self.state_record:

@@ -13,8 +13,11 @@ start + T`` like a chain block and needs only its own mask and positions:
 - **Commit**: the accepted path's rows are copied, in path order, to rows ``start ..`` in place
   (the graphs read the buffers at fixed addresses), and the write position moves to the path's end.
 
-Gated DeltaNet layers keep one recorded state per position of a chain (recording_static.py), not
-one per node: a hybrid target on the compiled path verifies chains and says why.
+Gated DeltaNet layers (recording_static.py) record their inputs and the recurrent state after
+each row of a forward. A tree's forward runs eagerly (the delta rule reads each node's parent
+outside a graph, rollback.py), each node from its parent's state and its convolution over its
+ancestors (tree.py), so the record holds every node's; the commit installs the path's last
+node's state and the convolution window of the cached inputs then the path's.
 """
 
 from __future__ import annotations
@@ -27,10 +30,6 @@ import torch
 from speculant.backends.torch.rollback import RollbackCache
 from speculant.backends.torch.tree import additive_mask
 from speculant.core.tree import DraftTree, kept_rows
-
-HYBRID_PROBLEM = ("the compiled path records Gated DeltaNet states per chain position, not per tree node "
-                  "(backend.compile = 'off' verifies trees)")
-
 
 def attention_windows(config) -> dict[str, int | None]:
     """Each attention kind among ``config``'s layers and its sliding window (None: full), as the
@@ -79,4 +78,7 @@ def commit_static_path(static, start: int, tree: DraftTree, path: Sequence[int])
             index = torch.as_tensor(rows, device=layer.keys.device) + start
             for buffer in (layer.keys, layer.values):
                 buffer[:, :, start : start + len(rows)] = buffer.index_select(2, index)
+    if static.hybrid:
+        static.cache.keep_path(rows)
+        static.recorded = (start + len(rows), 0)  # the record was the tree's: nothing before this is undone
     static.set_length(start + len(rows))

@@ -11,10 +11,11 @@ import torch
 
 from speculant.backends.torch.compiled import CompiledSteps, CompileFailed, StaticKV, compile_problem, static_rows, wants_compile
 from speculant.backends.torch.loading import logit_transform
+from speculant.backends.torch.recorder import Recorder
 from speculant.backends.torch import layouts, prefix
 from speculant.backends.torch.strict import load_strict
 from speculant.backends.torch.rollback import RollbackCache, install_recording, recording_into
-from speculant.backends.torch.static_tree import HYBRID_PROBLEM, attention_windows, commit_static_path, tree_inputs
+from speculant.backends.torch.static_tree import attention_windows, commit_static_path, tree_inputs
 from speculant.backends.torch.tree import commit_path, install_tree_conv, tree_mask, tree_nodes
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.interfaces import TargetModel
@@ -40,46 +41,6 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class _Recorder:
-    """Forward hooks that keep only the requested layers' outputs, only while recording."""
-
-    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module) -> None:
-        self.active: dict[int, torch.Tensor] | None = None
-        self.wanted: set = set()
-        for index, layer in enumerate(layers):
-            layer.register_forward_hook(self._hook(index))
-        norm.register_forward_hook(self._hook("post_norm"))
-        self.last_layer = len(layers) - 1
-
-    def _hook(self, key):
-        def store(module, args, output):
-            if self.active is not None and key in self.wanted:
-                self.active[key] = output[0] if isinstance(output, tuple) else output
-
-        return store
-
-    def start(self, capture: Capture) -> None:
-        self.wanted = set(capture.layer_ids)
-        if capture.final_hidden == "post_norm":
-            self.wanted.add("post_norm")
-        elif capture.final_hidden == "pre_norm":
-            self.wanted.add(self.last_layer)
-        self.active = {} if self.wanted else None
-
-    def finish(self, capture: Capture, batched: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(features, final hidden) of the forward just run: of its one sequence ([rows, ...]), or,
-        ``batched``, of every sequence in it ([batch, rows, ...])."""
-        got, self.active = self.active or {}, None
-        pick = (lambda t: t) if batched else (lambda t: t[0])
-        features = None
-        if capture.layer_ids:
-            features = torch.cat([pick(got[i]) for i in capture.layer_ids], dim=-1)
-        final = None
-        if capture.final_hidden is not None:
-            final = pick(got["post_norm" if capture.final_hidden == "post_norm" else self.last_layer])
-        return features, final
-
-
 class TorchTarget(TargetModel):
     def __init__(self, model, tokenizer, info: TargetInfo, backend) -> None:
         self.model = model
@@ -91,7 +52,7 @@ class TorchTarget(TargetModel):
         self._recorded_layers = install_recording(model)  # Gated DeltaNet layers whose states a rollback can reach
         install_tree_conv(model)  # their convolution over a draft tree's ancestors (tree.py)
         _, layers, norm = decoder_parts(model)
-        self._recorder = _Recorder(layers, norm)
+        self._recorder = Recorder(layers, norm)
         self._embedding = model.get_input_embeddings()
         self._head = model.get_output_embeddings()
         self._logit_transform = logit_transform(model.config)
@@ -141,17 +102,20 @@ class TorchTarget(TargetModel):
         takes trees; eager targets: nothing."""
         if self._steps is None:
             return
+        tree_sizes = sorted(tree_sizes) if self.tree_problem() is None else []
         self.reset()
+        if tree_sizes:  # a hybrid's record holds the widest tree before any graph compiles over it
+            self._make_room(tree_sizes[-1] + 1)
         self.prefill([0], capture)
         for width in (1 << j for j in range(self._steps.padded_width(block_size).bit_length())):
             self.forward(self.backend.int_array([0] * width), capture)
             self.crop(1)
-        tree_sizes = sorted(tree_sizes) if self.tree_problem() is None else ()
         self._steps.planned_trees.update(tree_sizes)
         for size in tree_sizes:
+            self.reset()  # a hybrid's commit keeps no record to roll back to: each tree from a new prompt
+            self.prefill([0], capture)
             self.forward_tree(DraftTree.chain([0] * size), capture)
             self.commit_tree(1, [0])
-            self.crop(1)
         self.reset()
 
     @classmethod
@@ -233,6 +197,11 @@ class TorchTarget(TargetModel):
             static.recorded_forward(start, self._steps.padded_width(width) if compiled else width, width)
         return ForwardOutput(logits=logits, features=features, final_hidden=final)
 
+    def _make_room(self, width: int) -> None:
+        """A forward of ``width`` rows fits the static cache and its Gated DeltaNet record, grown if not."""
+        if not (self._static.fits(width) and self._static.records(width)):
+            self._outgrown(width)
+
     def _outgrown(self, width: int) -> None:
         """The request outgrew the static cache: a cache twice as large (compiled anew) holds its
         rows, or, past the largest size, it continues eager on a RollbackCache of them."""
@@ -262,9 +231,8 @@ class TorchTarget(TargetModel):
 
     def forward(self, token_ids, capture: Capture = Capture()) -> ForwardOutput:
         """Verify a block: the cache keeps what a crop to any prefix of it needs (see rollback.py)."""
-        width = self._steps.padded_width(int(token_ids.shape[0])) if self._on_static else 0
-        if self._on_static and not (self._static.fits(width) and self._static.records(width)):
-            self._outgrown(width)
+        if self._on_static:
+            self._make_room(self._steps.padded_width(int(token_ids.shape[0])))
         if self._on_static:
             return self._run_static(token_ids, capture, compiled=self._steps.failure is None)
         with self.cache.verifying():
@@ -276,30 +244,32 @@ class TorchTarget(TargetModel):
         linear = [i for i, kind in enumerate(self.info.layer_types) if kind == "linear_attention"]
         if problem is None and not set(linear) <= self._recorded_layers:
             problem = f"linear_attention layers {sorted(set(linear) - self._recorded_layers)} run a delta rule speculant does not reach"
-        if problem is None and self._steps is not None and self._static.hybrid:
-            problem = HYBRID_PROBLEM
         return problem
 
     def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
         """Every node of ``tree`` in one forward (tree.py: positions, the ancestor-only mask; over
         the compiled path's static cache, static_tree.py)."""
-        width = self._steps.tree_width(tree.size) if self._on_static else 0
-        if self._on_static and not self._static.fits(width):
-            self._outgrown(width)
         if self._on_static:
-            self._tree = tree
-            inputs = tree_inputs(self._windows, tree, self._static.length, self._static.rows, self.model.dtype,
-                                 self.model.device)
-            ids = self.backend.int_array(tree.tokens)
-            return self._run_static(ids, capture, compiled=self._steps.failure is None, tree=inputs)
+            self._make_room(tree.size if self._static.hybrid else self._steps.tree_width(tree.size))
+        self._tree = tree
+        if self._on_static:
+            return self._static_tree(tree, capture)
         device = self.model.device
         mask = tree_mask(self.cache, tree, self.model.dtype, device)
         positions = torch.tensor([tree.positions(self.cache_length)], device=device)
-        self._tree = tree
         with self.cache.verifying(), tree_nodes(tree):
             self.cache.block_length += tree.size
             ids = self.backend.int_array(tree.tokens)
             return self._run(ids, capture, 0, attention_mask=mask, position_ids=positions)
+
+    def _static_tree(self, tree: DraftTree, capture: Capture) -> ForwardOutput:
+        static = self._static
+        inputs = tree_inputs(self._windows, tree, static.length, static.rows, self.model.dtype, self.model.device)
+        ids = self.backend.int_array(tree.tokens)
+        if static.hybrid:  # each node's delta rule starts from its parent's state, read eagerly (rollback.py)
+            with tree_nodes(tree):
+                return self._run_static(ids, capture, compiled=False, tree=inputs)
+        return self._run_static(ids, capture, compiled=self._steps.failure is None, tree=inputs)
 
     def commit_tree(self, length: int, path) -> None:
         tree, self._tree = self._tree, None
