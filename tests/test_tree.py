@@ -257,6 +257,9 @@ def test_tree_verify_reports_what_the_chain_path_accepts():
     for parent, n in zip(TREE.path_to(TREE.size - 1), TREE.path_to(TREE.size - 1)[1:]):
         logits[parent, TREE.tokens[n]] = 5.0
     assert tree_verify(NP, TREE, logits, SamplingParams(), None, copy).chain_accepted == len(copy)
+    # sampled, a chain is not the tree's path and is accepted by min(1, p/q): no pairing
+    sampled = tree_verify(NP, TREE, logits, SamplingParams(temperature=0.8), np.random.default_rng(0), copy)
+    assert sampled.chain_accepted is None and sampled.accepted > 0
 
 
 def test_always_verifies_trees_without_timing():

@@ -40,12 +40,16 @@ def test_adaptive_runs_the_fastest_arm_and_switches_when_costs_change():
     verifier = AdaptiveVerifier({**PINNED, "tree": "auto", "tree_budgets": [2, 8], "tree_explore_every": 4})
     # trees of 2 nodes: 4 tokens in 0.1 s (40/s); of 8 nodes: 4 in 0.4 s (10/s); chains: 2 in 0.1 s (20/s)
     costs = {"chain": 0.1, "tree2": 0.1, "tree8": 0.4}
-    steady = drive(verifier, 48, costs)[12:]
-    assert steady.count("tree2") >= 0.7 * len(steady) and {"chain", "tree8"} <= set(steady)
-    # small trees get expensive (4 tokens in 0.8 s, 5/s): the chain takes over, the trees still
-    # explored now and then (tree2, at under half the chain's rate, at the widest spacing)
+    arms = drive(verifier, 48, costs)
+    # tree8's first cycle puts it under half tree2's rate: no more warm-up runs, and no exploration
+    # before the widest spacing (32 x 4 cycles)
+    assert arms[:7].count("tree8") == 1 and arms.count("tree8") == 1
+    steady = arms[7:]
+    assert steady.count("tree2") >= 0.7 * len(steady) and "chain" in steady
+    # small trees get expensive (4 tokens in 0.8 s, 5/s): the chain takes over, tree2 still
+    # explored now and then (tree8, at half the chain's rate, waits for the widest spacing)
     run = drive(verifier, 80, {**costs, "tree2": 0.8})
-    assert run[20:].count("chain") >= 0.8 * len(run[20:]) and {"tree2", "tree8"} <= set(run)
+    assert run[20:].count("chain") >= 0.8 * len(run[20:]) and "tree2" in run
     record = verifier.decisions()["tree"]
     assert record["choice"]["tokens_per_s"]["chain"] == pytest.approx(20.0, rel=0.01)
     assert "tree" in verifier.decisions()["actions"]
@@ -123,7 +127,8 @@ def test_adaptive_with_trees_equals_plain_greedy(real_pair, backend):
         trees += result.stats.verifier["tree"]["trees"]
     record = result.stats.verifier["tree"]
     chosen = record["choice"]["chosen"]
-    assert min(chosen.values()) >= 3 and trees > 0, record  # every arm measured, trees run
+    # every arm measured (once at least: an arm far behind after its first cycle stops warming), trees run
+    assert min(chosen.values()) >= 1 and trees > 0, record
 
 
 def test_adaptive_tree_cycles_follow_the_target_at_temperature_0_8(real_pair):
@@ -171,8 +176,13 @@ def repetitive_prompt(pair) -> list[int]:
 @pytest.mark.parametrize("verifier", [{"kind": "tree", "options": {"budget": 4, "width": 2}},
                                       {"kind": "adaptive", "options": {**PINNED, "tree": "auto", "tree_budgets": [4]}}],
                          ids=["tree", "adaptive"])
-def test_a_lookup_copy_is_a_path_of_the_tree_and_output_stays_plain(real_pair, verifier):
+def test_a_lookup_copy_is_a_path_of_the_tree_and_output_stays_plain(real_pair, verifier, monkeypatch):
     import speculant
+    from speculant.verifiers import tree_verifier
+
+    # beside a copy the chain runs no drafter: a tree's first cycle may put it under half the
+    # chain's rate and end its warm-up; here every arm warms fully, so trees meet the copies
+    monkeypatch.setattr(tree_verifier, "FAR_BEHIND", 0.0)
 
     prompt = repetitive_prompt(real_pair)
     plain = speculant.load_engine({"backend": BACKEND, "target": {"path": str(real_pair["target"])}}).run(

@@ -106,7 +106,7 @@ class Verification:
     # tree cycles only: the tree nodes of the anchor and the accepted drafts (core/tree.py)
     path: tuple[int, ...] = ()
     # tree cycles only: the drafts of the tree's chain path the same target picks accept (what a
-    # chain would have accepted: the paired measure that chooses between trees and chains)
+    # chain would have accepted: the paired measure that chooses between trees and chains); greedy only
     chain_accepted: int | None = None
 
     @property

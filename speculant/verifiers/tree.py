@@ -153,7 +153,11 @@ def tree_verify(
 
     ``Verification.path`` holds the nodes of the anchor and the accepted drafts;
     ``Verification.chain_accepted`` how many of the chain's drafts the same picks accept, the chain
-    being ``chain_ids`` (a prompt-lookup copy the tree carries) or else the tree's first children."""
+    being ``chain_ids`` (a prompt-lookup copy the tree carries) or else the tree's first children;
+    greedy only. Sampling leaves it None: a sampled chain is not the tree's first-child path (a
+    DFlash2 or MTP chain samples its own path) and speculative sampling accepts its drafts with
+    min(1, p/q), more often than the target's samples match a path, so pairing would price the
+    chain too low."""
     rows = verify_rows(target_logits, tree.size - 1)
     if sampling.is_greedy:
         picks, row_max = ops.argmax(rows), ops.max(rows)
@@ -178,7 +182,8 @@ def tree_verify(
         node = child
         path.append(node)
     emitted = [tree.tokens[n] for n in path[1:]] + [int(picked[node])]
-    return Verification(len(path) - 1, emitted, tuple(path), chain_depth(children, picked, chain_ids))
+    chain = chain_depth(children, picked, chain_ids) if temperature is None else None
+    return Verification(len(path) - 1, emitted, tuple(path), chain)
 
 
 def chain_depth(children: list[dict[int, int]], picked: Sequence[int], chain_ids: Sequence[int] | None) -> int:

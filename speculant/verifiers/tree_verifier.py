@@ -131,7 +131,9 @@ class CostChoice:
     target picks, so a workload that accepts more or less moves both alike. An arm's cost is its
     cycles' seconds. Both are exponential moving averages over this engine's requests, kept apart
     for cycles beside a prompt-lookup copy (a chain there verifies the copy and runs no drafter).
-    Each arm first runs ``WARMUP`` times; then the arm with the most tokens per second runs, and an
+    Each arm first runs ``WARMUP`` times, except that an arm whose first cycles put it under half
+    the rate of an arm done warming stops there (a tree of 32 nodes on a CPU costs several chain
+    cycles each time it runs); then the arm with the most tokens per second runs, and an
     arm measured slower runs again ``explore_every`` cycles later, that spacing doubling (up to
     ``BACKOFF_MOST`` times; at once for an arm at under half the best's rate) while it stays
     slower, back to ``explore_every`` when the best arm changes. A cycle's seconds count at most
@@ -147,25 +149,35 @@ class CostChoice:
         self.arms = arms
         self.chosen = {a: 0 for a in arms}
         self.explored = 0
-        self._sides = {copy: _Side(arms, explore_every) for copy in (False, True)}
+        self._sides = {copy: _Side(arms, explore_every, self.BACKOFF_MOST * explore_every) for copy in (False, True)}
 
     def next(self, copy: bool = False) -> str:
         side = self._sides[copy]
         side.cycles += 1
-        arm = next((a for a in self.arms if side.measured[a] < self.WARMUP), None)
+        rates = side.rates()
+        arm = next((a for a in self.arms if side.measured[a] < self.WARMUP and not self._hopeless(side, a, rates)), None)
         if arm is None:
-            rates = side.rates()
             best = arm = side.lead(rates)
             due = [a for a in self.arms if a != best and side.cycles >= side.explore_at[a]]
             if due:
                 arm = min(due, key=side.explore_at.__getitem__)
                 far_behind = (rates[arm] or 0.0) < FAR_BEHIND * (rates[best] or 0.0)
-                most = self.BACKOFF_MOST * self.explore_every
-                side.spacing[arm] = most if far_behind else min(2 * side.spacing[arm], most)
+                side.spacing[arm] = side.most if far_behind else min(2 * side.spacing[arm], side.most)
                 side.explore_at[arm] = side.cycles + side.spacing[arm]
                 self.explored += 1
         self.chosen[arm] += 1
         return arm
+
+    def _hopeless(self, side: "_Side", arm: str, rates: dict[str, float | None]) -> bool:
+        """Whether ``arm``, measured at least once, is far behind an arm done warming (it then
+        waits for the widest exploration spacing)."""
+        warmed = [rates[a] or 0.0 for a in self.arms if side.measured[a] >= self.WARMUP]
+        if not side.measured[arm] or not warmed or (rates[arm] or 0.0) >= FAR_BEHIND * max(warmed):
+            return False
+        side.measured[arm] = self.WARMUP  # done warming: from now on it is explored like any slower arm
+        side.spacing[arm] = side.most
+        side.explore_at[arm] = side.cycles + side.most
+        return True
 
     def record(self, arm: str, emitted: int, seconds: float, copy: bool = False,
                chain_emitted: int | None = None) -> None:
@@ -187,8 +199,8 @@ class CostChoice:
 class _Side:
     """CostChoice's moving averages for one kind of cycle (with or without a prompt-lookup copy)."""
 
-    def __init__(self, arms: tuple[str, ...], explore_every: int) -> None:
-        self.arms, self.explore_every = arms, explore_every
+    def __init__(self, arms: tuple[str, ...], explore_every: int, most: int) -> None:
+        self.arms, self.explore_every, self.most = arms, explore_every, most  # most: the widest spacing
         self.emitted: dict[str, float | None] = dict.fromkeys(arms)
         self.chain_emitted: dict[str, float | None] = dict.fromkeys(arms)
         self.seconds: dict[str, float | None] = dict.fromkeys(arms)
@@ -222,12 +234,15 @@ class _Side:
         return out
 
     def lead(self, rates: dict[str, float | None]) -> str:
-        """The arm with the best ``rates``; when it changes, every exploration spacing starts over."""
+        """The arm with the best ``rates``; when it changes, every exploration spacing starts over
+        (the widest for an arm under half its rate)."""
         best = max(self.arms, key=lambda a: rates[a] or 0.0)  # ties keep the arms' order: the chain first
         if best != self.leader:
             self.leader = best
-            self.spacing = dict.fromkeys(self.arms, self.explore_every)
-            self.explore_at = dict.fromkeys(self.arms, self.cycles + self.explore_every)
+            for arm in self.arms:
+                far_behind = (rates[arm] or 0.0) < FAR_BEHIND * (rates[best] or 0.0)
+                self.spacing[arm] = self.most if far_behind else self.explore_every
+                self.explore_at[arm] = self.cycles + self.spacing[arm]
         return best
 
 
