@@ -36,6 +36,24 @@ def sliding_families(tmp_path_factory, torch_threads):
 
 
 @pytest.fixture(scope="session")
+def tiny_targets(sliding_families, tmp_path_factory):
+    """``get(name)``: "qwen3", the dense tiny target (speculant/testing/tiny.py), or a tiny
+    checkpoint of that family with 16-wide sliding layers; built once per session."""
+    from speculant.testing.tiny import build_tiny_target
+
+    dense = {}
+
+    def get(name: str):
+        if name != "qwen3":
+            return sliding_families(name)
+        if not dense:
+            dense[name] = build_tiny_target(tmp_path_factory.mktemp("tiny_targets") / name)
+        return dense[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def reference_venv():
     """The official dflash 0.1.0 reference venv's python; skips the test when it is unavailable
     (or builds it first when SPECULANT_BUILD_REF_VENV=1)."""

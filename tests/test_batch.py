@@ -14,8 +14,6 @@ torch = pytest.importorskip("torch")
 from speculant.api import load_engine  # noqa: E402
 from speculant.core.batch import batch_problem  # noqa: E402
 from speculant.core.types import Capture, TargetInfo  # noqa: E402
-from speculant.testing.tiny import build_tiny_target  # noqa: E402
-from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
 # the default backend.compile: the batch runs the model eagerly over its own cache beside the
@@ -38,17 +36,8 @@ HYBRIDS = ("qwen3_5", "qwen3_next")
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory, torch_threads):
-    root = tmp_path_factory.mktemp("batch_targets")
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = (build_tiny_target(root / name) if name == "qwen3"
-                           else build_tiny_family(root / name, name, sliding_window=16))
-        return built[name]
-
-    return get
+def targets(tiny_targets):
+    return tiny_targets
 
 
 def engine_for(path, backend="torch"):

@@ -16,7 +16,6 @@ from speculant.backends.torch import static_tree  # noqa: E402
 from speculant.backends.torch import target as torch_target  # noqa: E402
 from speculant.core.tree import GATHER  # noqa: E402
 from speculant.testing.planted_drafter import registry_with_planted  # noqa: E402
-from speculant.testing.tiny import build_tiny_target  # noqa: E402
 from speculant.testing.tiny_families import build_tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,17 +28,8 @@ TREE = {"kind": "tree", "options": {"budget": 12, "width": 2}}
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory, torch_threads):
-    root = tmp_path_factory.mktemp("compiled_trees")
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = (build_tiny_target(root / name) if name == "qwen3"
-                           else build_tiny_family(root / name, name, sliding_window=16))
-        return built[name]
-
-    return get
+def targets(tiny_targets):
+    return tiny_targets
 
 
 def plain_tokens(path) -> list[int]:

@@ -30,17 +30,8 @@ TARGETS = ("qwen3", "mistral", "gemma3_text", "gpt_oss", "muse_glimmer")
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory, torch_threads):
-    root = tmp_path_factory.mktemp("tree_targets")
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = (build_tiny_target(root / name) if name == "qwen3"
-                           else build_tiny_family(root / name, name, sliding_window=16))
-        return built[name]
-
-    return get
+def targets(tiny_targets):
+    return tiny_targets
 
 
 def backend_config(name: str) -> dict:
@@ -116,11 +107,6 @@ def test_a_commit_that_keeps_a_siblings_rows_breaks_greedy_identity(targets, nam
     path = targets(name)
     plain = plain_tokens(path, backend)
 
-    def first_children(tree, accepted):
-        """The accepted path with every node replaced by its parent's first child (the chain's node)."""
-        children = tree.children()
-        return [0] + [min(children[tree.parents[n]].values()) for n in accepted[1:]]
-
     monkeypatch.setattr(GATHER, "keep", first_children)
     broken = run(planted(path, [[PROMPT, plain]], TREE, backend))
     assert broken.token_ids != plain
@@ -188,8 +174,7 @@ def test_a_hybrid_commit_that_keeps_the_wrong_nodes_state_breaks_greedy_identity
     monkeypatch.setattr(module, name, parents_state)
     assert run(planted(path, [[PROMPT, plain]], TREE, backend)).token_ids != plain
     monkeypatch.undo()
-    monkeypatch.setattr(GATHER, "keep", lambda tree, accepted: [0] + [min(tree.children()[tree.parents[n]].values())
-                                                                     for n in accepted[1:]])
+    monkeypatch.setattr(GATHER, "keep", first_children)
     assert run(planted(path, [[PROMPT, plain]], TREE, backend)).token_ids != plain  # a sibling's inputs and state
 
 
@@ -208,31 +193,50 @@ def compiled_plain(path) -> list[int]:
     return engine.run(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=True).token_ids
 
 
+def first_children(tree, accepted):
+    """The accepted path with every node replaced by its parent's first child (the chain's node)."""
+    return [0] + [min(tree.children()[tree.parents[n]].values()) for n in accepted[1:]]
+
+
 @pytest.mark.mlx
-def test_trees_over_the_compiled_static_path_equal_plain_greedy(targets, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3_text", "qwen3_next"])
+def test_trees_over_the_compiled_static_path_equal_plain_greedy(targets, hybrids, name, monkeypatch):
     """MLX's whole compiled forward (backend.compile = auto on the CPU) runs a tree eagerly over its
-    static full-attention buffers: greedy output equals plain greedy (on the same path), with
-    branches used; a commit that keeps the first child's rows breaks it."""
-    path = targets("qwen3")
+    static buffers: full-attention rows (row = position), sliding rings (row = position modulo the
+    ring, across the window), Gated DeltaNet states. Greedy output equals plain greedy (on the
+    same path), with branches used; a commit that keeps the first child's rows breaks it."""
+    path = hybrids(name) if name == "qwen3_next" else targets(name)
     plain = compiled_plain(path)
     result = run(compiled_engine(path, [[PROMPT, plain]]))
     assert result.token_ids == plain
     record = result.stats.verifier
     assert record["trees"] > 0 and "fallback" not in record and sum(record["branch_used_per_depth"]) > 0, record
-    monkeypatch.setattr(GATHER, "keep", lambda tree, accepted: [0] + [min(tree.children()[tree.parents[n]].values())
-                                                                      for n in accepted[1:]])
+    monkeypatch.setattr(GATHER, "keep", first_children)
     assert run(compiled_engine(path, [[PROMPT, plain]])).token_ids != plain
 
 
 @pytest.mark.mlx
-def test_a_compiled_static_path_with_sliding_rings_verifies_chains_and_says_why(targets):
-    """Sliding-window rings of the static cache take no tree yet: chains, with the reason."""
+def test_a_ring_mask_that_ignores_the_window_breaks_greedy_identity(targets, monkeypatch):
+    from speculant.backends.mlx import tree as mlx_tree
+
     path = targets("mistral")
     plain = compiled_plain(path)
-    result = run(compiled_engine(path, [[PROMPT, plain]]))
-    assert result.token_ids == plain
-    record = result.stats.verifier
-    assert record["trees"] == 0 and record["chain_cycles"] > 0 and "sliding-window rings" in record["fallback"]
+    ring = mlx_tree._ring_mask_of
+
+    def windowless(cache, tree):
+        make_mask = ring(cache, tree)
+
+        def without_window(*args, **kwargs):
+            window, cache.window = cache.window, 10**9
+            try:
+                return make_mask(*args, **kwargs)
+            finally:
+                cache.window = window
+
+        return without_window
+
+    monkeypatch.setattr(mlx_tree, "_ring_mask_of", windowless)
+    assert run(compiled_engine(path, [[PROMPT, plain]])).token_ids != plain
 
 
 def test_the_validator_warns_when_a_backend_takes_no_tree(tmp_path):

@@ -170,6 +170,11 @@ class StaticForward:
         self._traced: set[tuple] = set()  # (capture, record, width, buffer rows) traced so far
         self.trace_s = 0.0  # seconds spent tracing and compiling them (a first call returns then)
 
+    def hold(self, width: int) -> None:
+        """Size the sliding rings for eager forwards of ``width`` rows from now on (draft trees,
+        wider than the compiled blocks), so that chains and trees do not resize them in turn."""
+        self._widest = max(self._widest, width)
+
     def reset(self) -> None:
         """Drop the buffers and states: a short request after a long one should not attend over its rows."""
         for c in self.cache:

@@ -91,7 +91,7 @@ def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[No
 
 def _mask_of(cache, tree: DraftTree):
     if isinstance(cache, StaticKVCache):
-        return _static_mask_of(cache, tree)
+        return _static_mask_of(cache, tree) if cache.window is None else _ring_mask_of(cache, tree)
     sliding = isinstance(cache, WindowKVCache)
     cached = cache._kept() if sliding else int(cache.offset)
     mask = mx.array(tree.visibility(cached, cache.window if sliding else None))
@@ -116,15 +116,23 @@ def _static_mask_of(cache: StaticKVCache, tree: DraftTree):
     return make_mask
 
 
-def static_problem(caches: list) -> str | None:
-    """Why trees cannot run over the whole compiled forward's static caches, or None: its
-    full-attention buffers take them (eagerly), its sliding rings and Gated DeltaNet layers not yet."""
-    refused = sorted({"sliding-window rings" if isinstance(c, StaticKVCache) else "Gated DeltaNet layers"
-                      for c in caches if not isinstance(c, StaticKVCache) or c.window is not None})
-    if not refused:
-        return None
-    return (f"the whole compiled forward's static cache takes trees over full attention only, not its "
-            f"{' or '.join(refused)} (backend.compile = 'off' verifies trees)")
+def _ring_mask_of(cache: StaticKVCache, tree: DraftTree):
+    """A sliding layer's static ring (position p at row p % capacity, at least window - 1 + T rows):
+    the tree's node i is written at row (offset + i) % capacity. Each row's position follows from
+    the offset (static.py), so a node sees the rows before the tree within its window from its own
+    position (offset + depth), then its ancestors' rows."""
+
+    def make_mask(N: int, *args, **kwargs) -> mx.array:
+        offset = int(cache.offset.item()) if isinstance(cache.offset, mx.array) else int(cache.offset)
+        end = offset + tree.size - 1
+        held = end - (end - np.arange(cache.capacity)) % cache.capacity  # each row's position (or node)
+        at = offset + np.asarray(tree.depths)[:, None]
+        mask = (held[None, :] >= 0) & (held[None, :] < offset) & (held[None, :] > at - cache.window)
+        nodes = held >= offset
+        mask[:, nodes] = tree.ancestor_mask()[:, held[nodes] - offset]
+        return mx.array(mask)
+
+    return make_mask
 
 
 def commit_path(caches: list, length: int, tree: DraftTree, path: Sequence[int]) -> None:
@@ -134,10 +142,15 @@ def commit_path(caches: list, length: int, tree: DraftTree, path: Sequence[int])
         if isinstance(c, DeltaCache):
             _commit_delta(c, tree.size, rows)
             continue
-        base = length - getattr(c, "start", 0)  # buffer row of the root (sliding buffers start later)
-        index = mx.array([base + r for r in rows])
-        c.keys[..., base:base + len(rows), :] = mx.take(c.keys, index, axis=2)
-        c.values[..., base:base + len(rows), :] = mx.take(c.values, index, axis=2)
+        if isinstance(c, StaticKVCache) and c.window is not None:  # a ring: rows modulo its capacity
+            source = [(length + r) % c.capacity for r in rows]
+            target = mx.array([(length + k) % c.capacity for k in range(len(rows))])
+        else:
+            base = length - getattr(c, "start", 0)  # buffer row of the root (sliding buffers start later)
+            source, target = [base + r for r in rows], slice(base, base + len(rows))
+        index = mx.array(source)
+        c.keys[:, :, target] = mx.take(c.keys, index, axis=2)
+        c.values[:, :, target] = mx.take(c.values, index, axis=2)
         c.offset = length + len(rows)
 
 
