@@ -85,9 +85,7 @@ class TargetModel(ABC):
         return False
 
     def warm_up(self, block_size: int, capture: Capture = Capture(), tree_sizes: Sequence[int] = ()) -> None:
-        """Build the compiled forwards of every verify width up to ``block_size`` (with ``capture``),
-        and of draft trees of ``tree_sizes`` nodes, now rather than inside the first requests;
-        nothing for an eager target (the default)."""
+        """Compile every verify width up to ``block_size``, and trees of ``tree_sizes`` nodes, before any request."""
 
     def greedy_steps(self, anchor_id: int) -> "Iterator[int] | None":
         """Optional fast path for plain greedy decoding: from ``anchor_id`` (the last token, not yet in
@@ -334,9 +332,9 @@ class Verifier(ABC):
     # Whether the next cycle may be drafted before this cycle's verification is read: true for
     # a verifier whose wants_draft/plan read nothing from past verifications.
     allows_draft_ahead: ClassVar[bool] = True
-    # Whether tree() may return draft trees (the engine then asks the target whether it takes them).
+    # Whether tree() may return draft trees (the engine then asks the target whether it takes them),
+    # and their node budgets (the root not counted), for a target to compile ahead.
     builds_trees: ClassVar[bool] = False
-    # The node budgets of the trees it builds (the root not counted), for a target to compile ahead.
     tree_budgets: tuple[int, ...] = ()
 
     def __init__(self, options: dict | None = None) -> None:
