@@ -84,9 +84,13 @@ class StaticKVCache:
         window = self.window if self.window is not None else window_size
         if window is None:
             return mx.arange(self.capacity, dtype=mx.int32)[None, :] <= queries[:, None]
-        end = self.offset + (n - 1)
-        held = end - (end - mx.arange(self.capacity, dtype=mx.int32)) % self.capacity  # each row's position
+        held = self.held(self.offset + (n - 1))
         return (held[None, :] >= 0) & (held[None, :] <= queries[:, None]) & (held[None, :] > queries[:, None] - window)
+
+    def held(self, end):
+        """Each row's position once a forward has written up to position ``end``: the latest one
+        with the row's residue (for a full layer, the row itself while ``end`` < capacity)."""
+        return end - (end - mx.arange(self.capacity, dtype=mx.int32)) % self.capacity
 
     def fit(self, offset: int, width: int, ring: int) -> None:
         """Room for a forward of ``width`` rows at ``offset``: a full layer grows to hold every

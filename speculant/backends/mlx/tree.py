@@ -124,8 +124,7 @@ def _ring_mask_of(cache: StaticKVCache, tree: DraftTree):
 
     def make_mask(N: int, *args, **kwargs) -> mx.array:
         offset = int(cache.offset.item()) if isinstance(cache.offset, mx.array) else int(cache.offset)
-        end = offset + tree.size - 1
-        held = end - (end - np.arange(cache.capacity)) % cache.capacity  # each row's position (or node)
+        held = np.array(cache.held(offset + tree.size - 1))  # each row's position (or node, from offset on)
         at = offset + np.asarray(tree.depths)[:, None]
         mask = (held[None, :] >= 0) & (held[None, :] < offset) & (held[None, :] > at - cache.window)
         nodes = held >= offset

@@ -28,22 +28,17 @@ import numpy as np
 import torch
 
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.backends.torch.tree import additive_mask
+from speculant.backends.torch.tree import additive_mask, attention_kind
 from speculant.core.tree import DraftTree, kept_rows
 
 def attention_windows(config) -> dict[str, int | None]:
     """Each attention kind among ``config``'s layers and its sliding window (None: full), as the
     eager cache lays them out (the model masks each kind by the same config)."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
-
     windows: dict[str, int | None] = {}
     for layer in RollbackCache(config=config).layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            continue
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            windows.setdefault("sliding_attention", layer.sliding_window)
-        else:
-            windows.setdefault("full_attention", None)
+        kind, window = attention_kind(layer)
+        if kind is not None:
+            windows.setdefault(kind, window)
     return windows
 
 

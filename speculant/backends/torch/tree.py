@@ -37,17 +37,24 @@ def tree_mask(cache, tree: DraftTree, dtype: torch.dtype, device: torch.device):
     one tensor when all layers are of one kind, else a dict by ``layer_types`` name."""
     masks = {}
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            continue  # no mask: tree_conv and the parent-indexed delta rule
-        sliding = isinstance(layer, DynamicSlidingWindowLayer)
-        kind = "sliding_attention" if sliding else "full_attention"
-        if kind in masks:
-            continue
+        kind, window = attention_kind(layer)
+        if kind is None or kind in masks:
+            continue  # no mask for linear layers: tree_conv and the parent-indexed delta rule
         cached = int(layer.keys.shape[-2]) if layer.is_initialized else 0
-        masks[kind] = additive_mask(tree.visibility(cached, layer.sliding_window if sliding else None), dtype, device)
+        masks[kind] = additive_mask(tree.visibility(cached, window), dtype, device)
     if len(masks) == 1:
         return next(iter(masks.values()))
     return masks
+
+
+def attention_kind(layer) -> tuple[str | None, int | None]:
+    """(``layer_types`` name, sliding window or None) of an eager cache layer; (None, None) for a
+    linear-attention one."""
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return None, None
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return "sliding_attention", layer.sliding_window
+    return "full_attention", None
 
 
 def additive_mask(allowed, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
