@@ -155,7 +155,7 @@ class CostChoice:
         side = self._sides[copy]
         side.cycles += 1
         rates = side.rates()
-        arm = next((a for a in self.arms if side.measured[a] < self.WARMUP and not self._hopeless(side, a, rates)), None)
+        arm = next((a for a in self.arms if side.warming(a, self.WARMUP) and not self._hopeless(side, a, rates)), None)
         if arm is None:
             best = arm = side.lead(rates)
             due = [a for a in self.arms if a != best and side.cycles >= side.explore_at[a]]
@@ -171,10 +171,10 @@ class CostChoice:
     def _hopeless(self, side: "_Side", arm: str, rates: dict[str, float | None]) -> bool:
         """Whether ``arm``, measured at least once, is far behind an arm done warming (it then
         waits for the widest exploration spacing)."""
-        warmed = [rates[a] or 0.0 for a in self.arms if side.measured[a] >= self.WARMUP]
+        warmed = [rates[a] or 0.0 for a in self.arms if not side.warming(a, self.WARMUP)]
         if not side.measured[arm] or not warmed or (rates[arm] or 0.0) >= FAR_BEHIND * max(warmed):
             return False
-        side.measured[arm] = self.WARMUP  # done warming: from now on it is explored like any slower arm
+        side.warm_ended.add(arm)  # from now on it is explored like any slower arm
         side.spacing[arm] = side.most
         side.explore_at[arm] = side.cycles + side.most
         return True
@@ -205,6 +205,7 @@ class _Side:
         self.chain_emitted: dict[str, float | None] = dict.fromkeys(arms)
         self.seconds: dict[str, float | None] = dict.fromkeys(arms)
         self.measured = dict.fromkeys(arms, 0)
+        self.warm_ended: set[str] = set()  # arms whose warm-up stopped early, far behind
         self.cycles = 0
         self.leader: str | None = None
         self.spacing = dict.fromkeys(arms, explore_every)
@@ -218,6 +219,10 @@ class _Side:
                 old = table[arm]
                 table[arm] = float(value) if old is None else old + alpha * (value - old)
         self.measured[arm] += 1
+
+    def warming(self, arm: str, cycles: int) -> bool:
+        """Whether ``arm`` still has warm-up cycles to run (``cycles`` in all)."""
+        return arm not in self.warm_ended and self.measured[arm] < cycles
 
     def rates(self) -> dict[str, float | None]:
         chain = self.arms[0]
