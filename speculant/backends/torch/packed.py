@@ -8,7 +8,8 @@ costs about the same for 1 to 16 rows, though a one-row product over it is slowe
 F.linear's. The target's ``nn.Linear`` layers are therefore swapped for :class:`PackedLinear`,
 which holds the reordered weight, and the dense one only where it is small (under
 ``DENSE_ONE_ROW_BYTES``): there a one-row product (plain decoding) stays F.linear's, which was
-measured faster for such weights. Larger dense weights are released (a head tied to the
+measured faster for such weights on some CPUs; layouts.py times both at load and drops the dense
+copies where the packed one-row products are as fast. Larger dense weights are released (a head tied to the
 embedding leaves its table with the embedding). Results differ from F.linear's by rounding (the order of the sums), as a
 wider verify block's already do: :func:`pack_linears` checks each packed layer against its dense
 product and keeps the dense layers if one disagrees beyond that, or if packing fails.
@@ -64,6 +65,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() == self.in_features:  # one row
             return nn.functional.linear(x, self.dense, self.bias)
+        return self.packed_forward(x)
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.as_compiled or torch.compiler.is_compiling():
             return packed_product(x.contiguous(), self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -116,6 +120,13 @@ def dense_copies(model: nn.Module) -> tuple[int, int]:
     """(packed layers that also keep their dense weight for one-row products, that weight's bytes)."""
     kept = [m.dense for m in model.modules() if isinstance(m, PackedLinear) and m.dense is not None]
     return len(kept), sum(w.numel() * w.element_size() for w in kept)
+
+
+def drop_dense_copies(model: nn.Module) -> None:
+    """Run one-row products over the packed weights too, releasing the dense copies."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.dense = None
 
 
 def _restore(done: list) -> None:

@@ -345,7 +345,7 @@ class TorchTarget(TargetModel):
     def prepare_draft(self, module) -> str | None:
         if self.layout is None:
             return None
-        return layouts.lay_out_like(module, self.layout)
+        return layouts.lay_out_like(module, self.layout, one_row_dense=layouts.dense_copies(self.model)[0] > 0)
 
     @torch.inference_mode()
     def lm_head(self, hidden, *, raw: bool = False) -> torch.Tensor:
