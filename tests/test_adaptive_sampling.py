@@ -190,3 +190,25 @@ def test_engine_sampling_follows_the_target_with_adaptive_widths(planted_pair):
     assert observed.sum() == runs  # nothing outside the target's support
     expected = np.array([joint[c] for c in cells]) * runs
     assert scipy_stats.chisquare(observed, expected / expected.sum() * runs).pvalue > 1e-3
+
+
+def test_engine_drafts_sampled_cycles_only_as_long_as_they_submit(planted_pair):
+    """Sampled drafts' widths come from history alone, so the adaptive verifier asks the drafter
+    for that many tokens (``Verifier.draft_length``) rather than the whole block: the engine must
+    pass it on, and no cycle may submit more than it drafted."""
+    import speculant
+
+    config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
+              "target": {"path": str(planted_pair["target"])},
+              "drafter": {"kind": "dflash", "path": str(planted_pair["draft"]), "block_size": 8},
+              "verifier": {"kind": "adaptive", "options": {"hysteresis": 0.0, "explore_every": 4}}}
+    eng = speculant.load_engine(config)
+    asked = []
+    propose = eng.drafter.propose
+    eng.drafter.propose = lambda request: asked.append(request.num_tokens) or propose(request)
+    widths = []
+    for seed in range(4):
+        result = eng.run(prompt_ids=[160, 160, 5], max_new_tokens=48, temperature=1.0, seed=seed, ignore_eos=True)
+        widths += [w for w in result.stats.verifier["widths"] if w > 0]
+    assert min(asked) < 7 and max(asked) == 7, asked  # short drafts, and whole blocks to explore
+    assert len(widths) <= len(asked) and sum(widths) <= sum(asked) and max(widths) <= 7, (widths, asked)

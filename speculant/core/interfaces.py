@@ -352,6 +352,10 @@ class Verifier(ABC):
         saves the draft cost. Called before drafting, so it may read only past statistics."""
         return True
 
+    def draft_length(self, max_tokens: int, context_length: int) -> int:
+        """How many of ``max_tokens`` to draft, once :meth:`wants_draft` said yes (past statistics only)."""
+        return max_tokens
+
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         """How many drafted tokens to submit this cycle (0 = plain target step).
 
@@ -361,14 +365,8 @@ class Verifier(ABC):
         return 0 if draft is None else min(draft.num_tokens, max_tokens)
 
     @abstractmethod
-    def verify(
-        self,
-        ops: ArrayOps,
-        draft: Draft | None,
-        target_logits: Array,
-        sampling: SamplingParams,
-        rng: Any,
-    ) -> Verification:
+    def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
+               rng: Any) -> Verification:
         """Verify ``draft`` (k tokens, or None) against ``target_logits`` [k+1, V]."""
 
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> "DraftTree | None":

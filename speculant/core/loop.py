@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Hashable, Iterator
 
 import numpy as np
@@ -249,7 +249,8 @@ class Loop:
                 if beside is not None:
                     free, self._drafted = beside, (beside, draft_s)
             if free is None and self.verifier.wants_draft(k, position):
-                return request
+                length = min(k, max(1, self.verifier.draft_length(k, position)))
+                return request if length == k else replace(request, num_tokens=length)
             self._drafted = (free, self._drafted[1])
         return None
 

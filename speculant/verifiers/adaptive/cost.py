@@ -6,8 +6,10 @@ contexts make every forward slower and can change the shape of the cost curve. A
 entry in the current bucket is pooled with the most precise entry of another bucket, scaled by
 a width both buckets measured. Each width's mean is pulled towards a straight line over all
 widths as far as its own noise requires (clean timings keep steps and dips, noisy ones lean
-on the line); a width never measured costs the line. Draft time (``Drafter.propose``) and the per-cycle rest (drafter commit +
-verification) are single running averages.
+on the line); a width never measured costs the line. Draft time (``Drafter.propose``) is kept
+per draft length, since a block drafter's forward grows with its rows (a length not yet measured
+costs a line through those that were); the per-cycle rest (drafter commit + verification) is one
+running average.
 
 Samples update robust running means: the median of the first three, then exponentially
 weighted, each sample clipped to a factor of three around the mean. On a shared machine
@@ -76,6 +78,18 @@ class RunningMean:
         return max(self.var, (0.05 * self.mean) ** 2) / effective
 
 
+def _draft_line(known: dict[int, RunningMean], length: int) -> float:
+    """A count-weighted least-squares line of draft seconds over draft lengths (never decreasing;
+    flat through the mean with one length), at ``length``."""
+    weights = {k: float(min(e.count, 16)) for k, e in known.items()}
+    total = sum(weights.values())
+    k_bar = sum(k * w for k, w in weights.items()) / total
+    d_bar = sum(known[k].mean * w for k, w in weights.items()) / total
+    spread = sum(w * (k - k_bar) ** 2 for k, w in weights.items())
+    slope = max(0.0, sum(w * (k - k_bar) * (known[k].mean - d_bar) for k, w in weights.items()) / spread) if spread else 0.0
+    return max(d_bar + slope * (length - k_bar), 0.5 * min(e.mean for e in known.values()))
+
+
 def _median(values: Sequence[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
@@ -88,7 +102,7 @@ class CostModel:
         self.table = list(table) if table else None
         self.fixed_draft = draft_cost
         self.buckets: dict[int, dict[int, RunningMean]] = {}
-        self.draft = RunningMean()
+        self.drafts: dict[int, RunningMean] = {}  # per draft length (tokens proposed)
         self.rest = RunningMean()
         self.load = 1.0  # how much slower the machine runs now than in the estimates' unit
         self._version = 0  # samples taken
@@ -110,16 +124,18 @@ class CostModel:
         entry.add(seconds / self.load, self.alpha)
         self._version += 1
 
-    def add_draft(self, seconds: float, backlog: bool = False) -> None:
-        """A draft call's seconds; ``backlog``: the call first read many target rows (the prompt,
-        or those of a run of plain steps), so it is only an upper bound of a steady call's and
-        may lower the estimate, never raise it (once a few calls are known)."""
+    def add_draft(self, seconds: float, backlog: bool = False, length: int = 0) -> None:
+        """A draft call's seconds, for ``length`` proposed tokens; ``backlog``: the call first read
+        many target rows (the prompt, or those of a run of plain steps), so it is only an upper
+        bound of a steady call's and may lower the estimate, never raise it (once a few calls are
+        known)."""
         if seconds <= 0.0:
             return
         value = seconds / self.load
-        if backlog and self.draft.count >= RunningMean.TRUSTED and value >= self.draft.mean:
+        entry = self.drafts.setdefault(length, RunningMean())
+        if backlog and entry.count >= RunningMean.TRUSTED and value >= entry.mean:
             return
-        self.draft.add(value, self.alpha)
+        entry.add(value, self.alpha)
 
     def add_rest(self, seconds: float) -> None:
         if seconds > 0.0:
@@ -131,10 +147,19 @@ class CostModel:
         entry = self.buckets.get(context_bucket(context_length), {}).get(width)
         return entry.count if entry is not None else 0
 
-    def draft_s(self) -> float:
+    def draft_s(self, length: int | None = None) -> float:
+        """Seconds of a draft of ``length`` tokens (None: the longest measured): its own mean once
+        trusted, else a line through the measured lengths (flat while only one was measured)."""
         if self.fixed_draft is not None:
             return self.fixed_draft
-        return self.draft.mean
+        known = {k: e for k, e in self.drafts.items() if e.count}
+        if not known:
+            return 0.0
+        length = max(known) if length is None else length
+        entry = known.get(length)
+        if entry is not None and (entry.count >= RunningMean.TRUSTED or len(known) == 1):
+            return entry.mean
+        return _draft_line(known, length)
 
     def rest_s(self) -> float:
         return 0.0 if self.table is not None else self.rest.mean
@@ -225,7 +250,8 @@ class CostModel:
         return {
             "unit": unit,
             "target": [round(t * scale, 4) for t in self.target_s(max_width, context_length)],
-            "draft": round(self.draft_s() * scale, 4),
+            "draft": round(self.draft_s() * scale, 4),  # the longest draft measured
+            "draft_by_length": {k: round(self.draft_s(k) * scale, 4) for k in sorted(self.drafts)},
             "rest": round(self.rest_s() * scale, 4),
             "context_bucket": context_bucket(context_length),
             "load": round(self.load, 4),

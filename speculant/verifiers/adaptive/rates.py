@@ -10,14 +10,17 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def best_rate(gains: Sequence[float], costs: Sequence[float], draft: float, rest: float) -> tuple[float, int]:
+def best_rate(gains: Sequence[float], costs: Sequence[float], draft: float | Sequence[float],
+              rest: float) -> tuple[float, int]:
     """The best speculative tokens per second and its n >= 1: max_n E(n) / (D + T(n+1) + R).
 
-    Ties go to the smaller n.
+    ``draft``: one cost for every n, or D(n) per n (a draft of exactly n tokens). Ties go to the
+    smaller n.
     """
+    drafts = [draft] * len(gains) if isinstance(draft, (int, float)) else draft
     best, best_n = 0.0, 0
     for n in range(1, len(gains)):
-        rate = gains[n] / max(draft + costs[n] + rest, 1e-12)
+        rate = gains[n] / max(drafts[n] + costs[n] + rest, 1e-12)
         if rate > best * (1.0 + 1e-12):
             best, best_n = rate, n
     return best, best_n

@@ -26,7 +26,7 @@ from speculant.verifiers.acceptance import speculative_verify
 from speculant.verifiers.adaptive.options import AdaptiveOptions
 from speculant.verifiers.adaptive.policy import AdaptivePolicy
 from speculant.verifiers.adaptive.states import Action, Mode
-from speculant.verifiers.adaptive.trees import TreeArms
+from speculant.verifiers.adaptive.trees import CHAIN, TreeArms
 
 
 @dataclass
@@ -82,6 +82,11 @@ class AdaptiveVerifier(Verifier):
         if not wanted and self.trees is not None:
             self.trees.plain_step()
         return wanted
+
+    def draft_length(self, max_tokens: int, context_length: int) -> int:
+        if self.trees is not None and self.trees.preset is not None and self.trees.preset != CHAIN:
+            return max_tokens  # a tree is built over the whole block
+        return self.policy.draft_length(max_tokens)
 
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
