@@ -2,13 +2,14 @@
 
     python benchmarks/tree_speed.py [--backend torch|mlx] [--target DIR --draft DIR --data DATA_DIR]
         [--prompts 8] [--max-new-tokens 64] [--repeats 3] [--temperature 0] [--lookup on|off]
-        [--arms chain,adaptive,adaptive_tree,tree8,tree16] [--threads 1]
+        [--arms chain,plain,adaptive,adaptive_tree,tree8,tree16] [--threads 1]
         [--device cpu|cuda|mps] [--dtype float32|bfloat16] [--compile off|on|auto]
 
 Arms (one engine each, loaded once, every arm on the same prompts):
 
-- ``chain``: the default chain verifier at the drafter's block size (the best fixed chain on
-  these pairs; ``chainN``: the drafter's ``block_size`` set to N);
+- ``plain``: the target alone (no drafter);
+- ``chain``: the default chain verifier at the drafter's block size (``chainN``: the drafter's
+  ``block_size`` set to N);
 - ``adaptive``: the adaptive verifier with trees off (its default);
 - ``adaptive_tree``: the adaptive verifier choosing between its chain and trees
   (``tree = "auto"``); ``adaptive_tree4+8``: with ``tree_budgets = [4, 8]``;
@@ -31,7 +32,7 @@ import statistics
 
 
 def verifier_for(arm: str) -> dict:
-    if arm.startswith("chain"):
+    if arm.startswith("chain") or arm == "plain":
         return {"kind": "auto"}
     if arm == "adaptive":
         return {"kind": "adaptive"}
@@ -102,6 +103,8 @@ def main() -> None:
         config = {**base, "verifier": verifier_for(arm)}
         if arm.startswith("chain") and arm[5:]:
             config["drafter"] = {**config["drafter"], "block_size": int(arm[5:])}
+        if arm == "plain":
+            config = {key: value for key, value in config.items() if key != "drafter"}
         engines[arm] = speculant.load_engine(config)
     prompts = prompts_for(args)
     kwargs = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
