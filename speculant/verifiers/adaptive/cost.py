@@ -78,15 +78,21 @@ class RunningMean:
         return max(self.var, (0.05 * self.mean) ** 2) / effective
 
 
+def _rising_line(points: dict[int, tuple[float, float]]) -> tuple[float, float, float]:
+    """(x mean, y mean, slope) of the weighted least-squares line through ``points`` (x -> (y,
+    weight)), its slope never negative: costs do not fall as rows are added."""
+    total = sum(q for _, q in points.values())
+    x_bar = sum(x * q for x, (_, q) in points.items()) / total
+    y_bar = sum(y * q for y, q in points.values()) / total
+    spread = sum(q * (x - x_bar) ** 2 for x, (_, q) in points.items())
+    slope = max(0.0, sum(q * (x - x_bar) * (y - y_bar) for x, (y, q) in points.items()) / spread) if spread > 0 else 0.0
+    return x_bar, y_bar, slope
+
+
 def _draft_line(known: dict[int, RunningMean], length: int) -> float:
-    """A count-weighted least-squares line of draft seconds over draft lengths (never decreasing;
-    flat through the mean with one length), at ``length``."""
-    weights = {k: float(min(e.count, 16)) for k, e in known.items()}
-    total = sum(weights.values())
-    k_bar = sum(k * w for k, w in weights.items()) / total
-    d_bar = sum(known[k].mean * w for k, w in weights.items()) / total
-    spread = sum(w * (k - k_bar) ** 2 for k, w in weights.items())
-    slope = max(0.0, sum(w * (k - k_bar) * (known[k].mean - d_bar) for k, w in weights.items()) / spread) if spread else 0.0
+    """The count-weighted rising line of draft seconds over draft lengths (flat through the mean
+    with one length), at ``length``."""
+    k_bar, d_bar, slope = _rising_line({k: (e.mean, float(min(e.count, 16))) for k, e in known.items()})
     return max(d_bar + slope * (length - k_bar), 0.5 * min(e.mean for e in known.values()))
 
 
@@ -192,12 +198,7 @@ class CostModel:
         points = self._points(bucket)
         if not points:
             return [1.0] * max_width, [1.0] * max_width  # nothing measured yet: all widths alike
-        weights = {w: 1.0 / max(var, 1e-30) for w, (_, var) in points.items()}
-        total = sum(weights.values())
-        w_bar = sum(w * q for w, q in weights.items()) / total
-        t_bar = sum(points[w][0] * q for w, q in weights.items()) / total
-        spread = sum(q * (w - w_bar) ** 2 for w, q in weights.items())
-        slope = max(0.0, sum(q * (w - w_bar) * (points[w][0] - t_bar) for w, q in weights.items()) / spread) if spread > 0 else 0.0
+        w_bar, t_bar, slope = _rising_line({w: (mean, 1.0 / max(var, 1e-30)) for w, (mean, var) in points.items()})
         floor = 0.5 * min(m for m, _ in points.values())
         out, low = [], []
         for w in range(1, max_width + 1):

@@ -249,7 +249,7 @@ class AdaptivePolicy:
         costs = self.costs.target_s(k + 1, context_length)
         rest = self.costs.rest_s()
         gains = expected_tokens(self.acceptance.position_rates(k))
-        drafts = [self.costs.draft_s(k if self.confident else n) for n in range(k + 1)]
+        drafts = self.costs.draft_s(k) if self.confident else [self.costs.draft_s(n) for n in range(k + 1)]
         rate, n = best_rate(gains, costs, drafts, rest)
         return Estimate(1.0 / max(costs[0] + rest, 1e-12), rate, n)
 

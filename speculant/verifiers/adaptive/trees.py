@@ -51,6 +51,11 @@ class TreeArms:
         self.arm = None
         self.preset = None if self.fallback is not None or self.no_distributions else self.choice.next(copy)
         self.copy = copy
+        return self.tree_preset
+
+    @property
+    def tree_preset(self) -> bool:
+        """Whether the arm chosen before drafting is a tree (it is built over the whole block)."""
         return self.preset is not None and self.preset != CHAIN
 
     def choose(self, draft: Draft | None) -> str | None:

@@ -26,7 +26,7 @@ from speculant.verifiers.acceptance import speculative_verify
 from speculant.verifiers.adaptive.options import AdaptiveOptions
 from speculant.verifiers.adaptive.policy import AdaptivePolicy
 from speculant.verifiers.adaptive.states import Action, Mode
-from speculant.verifiers.adaptive.trees import CHAIN, TreeArms
+from speculant.verifiers.adaptive.trees import TreeArms
 
 
 @dataclass
@@ -84,7 +84,7 @@ class AdaptiveVerifier(Verifier):
         return wanted
 
     def draft_length(self, max_tokens: int, context_length: int) -> int:
-        if self.trees is not None and self.trees.preset is not None and self.trees.preset != CHAIN:
+        if self.trees is not None and self.trees.tree_preset:
             return max_tokens  # a tree is built over the whole block
         return self.policy.draft_length(max_tokens)
 
