@@ -19,6 +19,7 @@ from speculant.verifiers.adaptive.acceptance import AcceptanceModel, expected_to
 from speculant.verifiers.adaptive.cost import CostModel, context_bucket
 from speculant.verifiers.adaptive.drift import DriftDetector, RepeatWatch, constant_rate_fit, token_distribution
 from speculant.verifiers.adaptive.rates import best_rate, best_width
+from speculant.verifiers.adaptive.states import Estimate, Mode
 
 K = 15
 FLAT = [1e-3 * (1.0 + 0.01 * w) for w in range(K + 1)]  # seconds for width w + 1
@@ -173,6 +174,30 @@ def test_a_probe_that_passes_whole_blocks_resumes_speculation():
     assert resumed <= warm + 12 and all(w == 7 for w in widths[resumed:resumed + 40])
 
 
+@pytest.mark.parametrize("ratio, resumes", [(0.97, True), (0.9, False)])
+def test_a_passing_full_probe_resumes_within_the_fallback_band(monkeypatch, ratio, resumes):
+    """Falling back takes plain beating speculation by ``hysteresis``; a full-width probe whose
+    drafts passed resumes on the same threshold (a narrow one still escalates). Asking it for
+    speculation beating plain outright failed near-ties and backed off for dozens of plain
+    cycles where speculation paid (on the shipped pair, 33 cycles; 6 % of a run)."""
+    v = AdaptiveVerifier({"hysteresis": 0.05})
+    drive(v, len(WARMUP) + 4, never, SMALL_CPU, draft_s=7.5e-3, k=7)
+    policy = v.policy
+    assert policy.mode is Mode.FALLBACK
+    while not policy.wants_draft(7, 200):  # plain cycles until the probe
+        policy.observe(0, 0, CycleTiming(200, 0, 0, SMALL_CPU[0]), 0.0)
+    plain = 1.0 / SMALL_CPU[0]
+    monkeypatch.setattr(policy, "estimate", lambda k, context: Estimate(plain, ratio * plain, 1))
+    for stage in ("narrow", "full"):
+        n = policy.plan(7, 7, 200, None)
+        assert (n < 7) == (stage == "narrow")
+        policy.observe(n, 1, CycleTiming(200, n, 7, SMALL_CPU[n], 7.5e-3), 0.0)
+        if stage == "narrow":  # one passed draft: not evidence enough inside the band
+            assert policy.mode is Mode.PROBE
+            assert policy.wants_draft(7, 200)
+    assert (policy.mode is Mode.SPECULATE) is resumes
+
+
 def test_drift_level_is_the_constant_rate_that_explains_cycles_of_any_width():
     cycles = [(1, 7), (2, 1), (8, 7)]  # a rejected block, a narrow probe that passed, a whole block
     rate, loglik = constant_rate_fit(cycles)
@@ -313,14 +338,15 @@ def test_a_lucky_first_draft_does_not_resume_speculation(seed):
     """Only the first draft passes, half the time, and a draft costs 0.6 of a plain step:
     speculating at any width commits 1.5 tokens in 1.6 steps, so plain decoding is right. A
     probe whose first draft passes (one cheap draft beating one plain step) must not switch
-    speculation back on; resuming on that single cycle's rate lost 2.5 % here, this loses about 1 %
-    (with a 2 % probe budget, so that the failed probes' own cost stays below what is checked)."""
+    speculation back on; resuming on that single cycle's rate lost 2.5 % here, this loses about
+    1.4 % over ten seeds (with a 2 % probe budget, so that the failed probes' own cost stays below
+    what is checked; full-width probes resuming within ``hysteresis`` of plain add 0.15 % of it)."""
     rng = np.random.default_rng(seed)
     v = AdaptiveVerifier({"probe_budget": 0.02})
     totals: dict = {}
     drive(v, 3000, lambda c, n, conf: int(n > 0 and rng.random() < 0.5), FLAT, draft_s=0.6e-3, totals=totals)
     assert v.decisions()["actions"].count("probe") >= 40  # it kept probing, and about half the probes passed
-    assert totals["tokens"] / totals["seconds"] >= 0.985 / FLAT[0]
+    assert totals["tokens"] / totals["seconds"] >= 0.98 / FLAT[0]
 
 
 def test_a_request_probes_twice_on_its_own_schedule():

@@ -217,9 +217,10 @@ class AdaptivePolicy:
 
     def _after_probe(self, submitted: int, accepted: int) -> None:
         """Resume speculating when the probe's first draft passed and the acceptance model (now
-        holding the probe's evidence) beats plain decoding: the probe cycle's own tokens per
-        second would be biased, since a cycle whose first draft passed beats a plain step even
-        where speculation does not pay. A narrow probe that passed without showing that
+        holding the probe's evidence) beats plain decoding, or after a full-width probe, comes
+        within ``hysteresis`` of it (the band the fallback allows): the probe cycle's own tokens
+        per second would be biased, since a cycle whose first draft passed beats a plain step
+        even where speculation does not pay. A narrow probe that passed without showing that
         escalates to one full-width cycle; anything else is a failed probe."""
         r, p = self.request, self.probes
         est = self.estimate(r.k_block, r.context_length)
@@ -228,11 +229,11 @@ class AdaptivePolicy:
             if p.retry(narrow):  # the anchor may just have been a bad one
                 return
             what = f"first draft rejected {p.tries} time(s)"
-        elif est.spec_rate >= est.plain_rate:
+        elif est.spec_rate >= est.plain_rate * (1.0 - (0.0 if narrow else self.o.hysteresis)):  # the fallback's band
             self.mode, self.schedule.checks_due = Mode.SPECULATE, 0
             p.resumed()
             self._event(Mode.SPECULATE, f"probe: {accepted} draft(s) accepted; speculative {est.spec_rate:.1f} "
-                        f"tok/s >= plain {est.plain_rate:.1f} tok/s", est)
+                        f"tok/s {'>=' if narrow else 'within hysteresis of'} plain {est.plain_rate:.1f} tok/s", est)
             return
         elif narrow:
             p.stage = ProbeStage.FULL
