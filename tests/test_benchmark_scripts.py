@@ -93,3 +93,24 @@ def test_batch_generate_benchmark_reports_every_arm_and_identical_outputs(tmp_pa
         assert row["spec_mismatches"] == row["plain_mismatches"] == 0
         assert len(row["per_repeat_tok_s"]["spec"]) == 2
     assert report["rows"][1]["spec_batched_cycles_mean"] > 0  # the three requests did verify batched
+
+
+@pytest.mark.slow
+def test_adaptive_replay_records_and_replays_the_policy(tmp_path):
+    """benchmarks/adaptive_replay.py (docs/history: where ``adaptive`` lost to the chain): the
+    record holds a whole block at every output position, aligned with the output (the draft made
+    at position t proposes output t + 1 onwards: misaligned, almost no first draft would match)."""
+    drafts = tmp_path / "drafts.json"
+    run("benchmarks/adaptive_replay.py", "record", "--prompts", "2", "--max-new-tokens", "24", "--out", str(drafts))
+    recorded = json.loads(drafts.read_text())
+    assert len(recorded) == 2
+    for request in recorded:
+        assert len(request["output"]) == 24 and len(request["drafts"]) == len(request["confidence"]) >= 20
+        assert all(len(d) == len(request["drafts"][0]) for d in request["drafts"][:-8])
+        output, firsts = request["output"], [d[0] for d in request["drafts"]]
+        assert sum(d == output[t + 1] for t, d in enumerate(firsts)) >= 0.3 * len(firsts)
+        assert sum(d == output[t] for t, d in enumerate(firsts)) < 0.3 * len(firsts)
+    out = run("benchmarks/adaptive_replay.py", "replay", "--drafts", str(drafts), "--set", "2", "--seeds", "2")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows[0]["prompts"] == "0-1" and len(rows[0]["adaptive_vs_chain"]) == 2
+    assert all(0.2 < r < 5.0 for r in rows[0]["adaptive_vs_chain"]) and rows[0]["chain_tokens_per_s"] > 0
