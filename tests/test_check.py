@@ -134,7 +134,8 @@ def test_settings_under_which_a_check_tests_nothing_are_refused(argv, flag, caps
 @pytest.mark.skipif(not embedded.available(), reason="the shipped pair is not in this checkout")
 def test_bfloat16_near_ties_of_the_shipped_pair_are_warnings(capsys):
     # a fixed verify width makes the run deterministic; in bfloat16 this prompt parts from plain
-    # decoding at new token 20, a near-tie (measured with `speculant check --dtype bfloat16`)
+    # decoding at one near-tie (measured with `speculant check --dtype bfloat16`): at new token 20
+    # on an AVX-512 CPU, at 3 on an AVX2 one (the CPU's bfloat16 kernels round differently)
     prompt = load_workload("code", None, None)[1]
     args = ["check", "--backend", "torch", "--device", "cpu", "--dtype", "bfloat16", "--verifier", "auto",
             "--prompt", prompt, "--max-new-tokens", "32"]
@@ -148,4 +149,4 @@ def test_bfloat16_near_ties_of_the_shipped_pair_are_warnings(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["warnings"] == 1 and report["failures"] == 0 and not report["ok"]
     tie = report["greedy"][0]["near_ties"][0]
-    assert tie["position"] == 20 and max(abs(tie["plain_gap"]), abs(tie["block_gap"])) <= tie["bound"]
+    assert 0 <= tie["position"] < 32 and max(abs(tie["plain_gap"]), abs(tie["block_gap"])) <= tie["bound"]
