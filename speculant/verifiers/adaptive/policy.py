@@ -103,14 +103,14 @@ class AdaptivePolicy:
             margin = s.last.spec_rate / max(s.last.plain_rate, 1e-12) - 1.0 + self.o.hysteresis
             s.checks_due = 1 if margin < 0.1 else CHECK_EVERY  # every cycle when it is close
         est = s.last
-        if est.spec_rate < est.plain_rate * (1.0 - self.o.hysteresis):
+        if not est.pays(self.o.hysteresis):
             self.mode = Mode.FALLBACK
             self.probes.start_fallback()
             self._event(Mode.FALLBACK, f"plain {est.plain_rate:.1f} tok/s beats speculative {est.spec_rate:.1f} tok/s", est)
             return Action.PLAIN_COST
         if r.k < r.k_block:  # end of the request: fewer drafts allowed this cycle
             est = self.estimate(r.k, context_length)
-            if est.spec_rate < est.plain_rate:
+            if not est.pays():
                 return Action.PLAIN_SHORT
         s.rate = max(est.plain_rate, est.spec_rate)
         if self.costs.table is None and s.since_plain >= REFRESH_SOON and self.costs.measured(1, context_length) < TRUSTED:
@@ -229,7 +229,7 @@ class AdaptivePolicy:
             if p.retry(narrow):  # the anchor may just have been a bad one
                 return
             what = f"first draft rejected {p.tries} time(s)"
-        elif est.spec_rate >= est.plain_rate * (1.0 - (0.0 if narrow else self.o.hysteresis)):  # the fallback's band
+        elif est.pays(0.0 if narrow else self.o.hysteresis):  # a full probe: the band the fallback allows
             self.mode, self.schedule.checks_due = Mode.SPECULATE, 0
             p.resumed()
             self._event(Mode.SPECULATE, f"probe: {accepted} draft(s) accepted; speculative {est.spec_rate:.1f} "

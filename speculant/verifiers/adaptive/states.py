@@ -57,6 +57,10 @@ class Estimate:
     spec_rate: float  # best tokens per second when speculating, from history alone
     spec_width: int  # the n giving spec_rate
 
+    def pays(self, band: float = 0.0) -> bool:
+        """Whether speculating is no slower than plain steps by more than ``band`` (a share)."""
+        return self.spec_rate >= self.plain_rate * (1.0 - band)
+
 
 @dataclass
 class Request:
