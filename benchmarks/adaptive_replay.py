@@ -83,30 +83,46 @@ def accepted(request: dict, t: int, width: int) -> int:
     return a
 
 
-def decode(policy: AdaptivePolicy | None, requests: list[dict], costs: Costs, block: int) -> float:
-    """Tokens per second over ``requests``; ``policy`` None: the fixed chain at the whole block."""
+class Chain:
+    """The fixed chain, as a policy: every cycle drafts and submits the whole block."""
+
+    def begin(self) -> None:
+        pass
+
+    def wants_draft(self, k: int, context_length: int) -> bool:
+        return True
+
+    def draft_length(self, k: int) -> int:
+        return k
+
+    def plan(self, drafted: int, k: int, context_length: int, confidence: list[float]) -> int:
+        return k
+
+    def observe(self, *cycle) -> None:
+        pass
+
+
+def decode(policy: AdaptivePolicy | Chain, requests: list[dict], costs: Costs, block: int) -> float:
+    """Tokens per second of ``policy`` over ``requests``."""
     tokens, seconds = 0, 0.0
     for request in requests:
         output = request["output"]
-        if policy is not None:
-            policy.begin()
+        policy.begin()
         t = 0
         while t + 1 < len(output):
             k = min(block, len(output) - t - 2) if t < len(request["drafts"]) else 0
             context = request["context"][min(t, len(request["context"]) - 1)]
-            if k <= 0 or (policy is not None and not policy.wants_draft(k, context)):
+            if k <= 0 or not policy.wants_draft(k, context):
                 target_s = costs.target_s(1)
-                if policy is not None:
-                    policy.observe(0, 0, CycleTiming(context, 0, 0, target_s, 0.0, costs.rest), 0.0, output[t + 1:t + 2])
+                policy.observe(0, 0, CycleTiming(context, 0, 0, target_s, 0.0, costs.rest), 0.0, output[t + 1:t + 2])
                 tokens, seconds, t = tokens + 1, seconds + target_s + costs.rest, t + 1
                 continue
-            length = k if policy is None else min(k, max(1, policy.draft_length(k)))
-            width = k if policy is None else policy.plan(length, k, context, request["confidence"][t][:length])
+            length = min(k, max(1, policy.draft_length(k)))
+            width = policy.plan(length, k, context, request["confidence"][t][:length])
             a = accepted(request, t, width)
             target_s, draft_s = costs.target_s(width + 1), costs.draft_s(length)
-            if policy is not None:
-                timing = CycleTiming(context, width, length, target_s, draft_s, costs.rest)
-                policy.observe(width, a, timing, 0.0, output[t + 1:t + a + 2])
+            timing = CycleTiming(context, width, length, target_s, draft_s, costs.rest)
+            policy.observe(width, a, timing, 0.0, output[t + 1:t + a + 2])
             tokens, seconds, t = tokens + a + 1, seconds + target_s + draft_s + costs.rest, t + a + 1
     return tokens / seconds
 
@@ -117,7 +133,7 @@ def replay(args: argparse.Namespace) -> None:
     medians = []
     for start in range(0, len(recorded) - args.set + 1, args.set):
         requests = recorded[start:start + args.set]
-        chain = statistics.median(decode(None, requests, Costs(args, s), block) for s in range(3))
+        chain = statistics.median(decode(Chain(), requests, Costs(args, s), block) for s in range(3))
         ratios = []
         for seed in range(args.seeds):
             policy = AdaptivePolicy(AdaptiveOptions())
