@@ -11,6 +11,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+# The modules that ran longest (wall seconds on the 2-core AVX2 CI-class machine, full suite,
+# 2026-12-05: 530, 486, 304, 210, 208, 189, 164, 144, 136, 130, 130). ``--dist loadscope`` hands
+# whole modules to the workers in collection order, so these go first: collected last, one of
+# them kept a worker busy for minutes after the other had run out of work.
+LONGEST_MODULES = ("test_real_pair_lossless.py", "test_families_torch.py", "test_prefix_cache.py",
+                   "test_sampling_model.py", "test_batch_prefix.py", "test_scheduler.py", "test_tree_engine.py",
+                   "test_mtp_sampling.py", "test_benchmark_scripts.py", "test_draft_ahead.py",
+                   "test_tree_compiled_torch.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Longest modules first; every module's own tests keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep theirs
+
 
 @pytest.fixture(scope="session")
 def torch_threads():
