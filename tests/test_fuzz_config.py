@@ -9,6 +9,8 @@ derandomized by default, so the suite stays fast and repeatable.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -124,36 +126,44 @@ def toml_texts() -> st.SearchStrategy[str]:
     return st.lists(line, max_size=10).map(lambda lines: '[target]\npath = "/m"\n' + "\n".join(lines))
 
 
-def _write(suffix: str, content: bytes) -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="speculant-fuzz-"))
-    path = folder / f"engine{suffix}"
-    path.write_bytes(content)
-    return path
+@contextlib.contextmanager
+def _written(suffix: str, content: bytes):
+    """``content`` as a config file named ``engine<suffix>``, deleted afterwards (hypothesis runs
+    each test hundreds of times: left behind, the files filled /tmp)."""
+    with tempfile.TemporaryDirectory(prefix="speculant-fuzz-") as folder:
+        path = Path(folder) / f"engine{suffix}"
+        path.write_bytes(content)
+        yield path
+
+
+def load_file_or_refuse(suffix: str, content: bytes) -> EngineConfig | None:
+    with _written(suffix, content) as path:
+        return load_or_refuse(path)
 
 
 @FUZZ
 @given(toml_texts())
 def test_random_toml_files_load_or_name_the_problem(text):
-    load_or_refuse(_write(".toml", text.encode("utf-8", "surrogatepass")))
+    load_file_or_refuse(".toml", text.encode("utf-8", "surrogatepass"))
 
 
 @FUZZ
 @given(CONFIGS, st.sampled_from([".json", ".yaml"]))
 def test_random_json_and_yaml_files_load_or_name_the_problem(data, suffix):
     text = json.dumps(data) if suffix == ".json" else yaml.safe_dump(data, allow_unicode=True)
-    load_or_refuse(_write(suffix, text.encode("utf-8", "surrogatepass")))
+    load_file_or_refuse(suffix, text.encode("utf-8", "surrogatepass"))
 
 
 @FUZZ
 @given(st.one_of(st.binary(max_size=64), st.text(max_size=40).map(str.encode)),
        st.sampled_from([".toml", ".json", ".yaml", ".yml", ".ini"]))
 def test_random_bytes_as_a_config_file_are_refused_cleanly(content, suffix):
-    load_or_refuse(_write(suffix, content))
+    load_file_or_refuse(suffix, content)
 
 
 def test_deeply_nested_config_files_are_refused_cleanly():
     for suffix, text in ((".json", "[" * 100_000), (".yaml", "[" * 100_000), (".toml", "a = " + "[" * 100_000)):
-        assert load_or_refuse(_write(suffix, text.encode())) is None
+        assert load_file_or_refuse(suffix, text.encode()) is None
 
 
 @FUZZ
