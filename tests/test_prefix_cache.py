@@ -107,17 +107,21 @@ def run_recorded(engine, ids):
 
 @pytest.fixture(scope="module")
 def engines(family):
-    """Per family and backend: a planted engine scripted with every case's cold continuation, and those."""
+    """Per family and backend: a planted engine scripted with every case's cold continuation, and
+    those, its prefix store emptied. One engine per pair: a compiled one costs a compile per width.
+    Prompts outside the script get the unscripted drafts (``anchor + 1, + 2, ...``)."""
     done = {}
 
     def get(name: str, backend: str = "torch"):
         if (name, backend) not in done:
-            path = family(name)
-            plain = planted(path, backend=backend, prefix_cache={"max_bytes": 0})
+            engine = planted(family(name), backend=backend)
             prompts = [prefix_of(n) + TAIL[:t] for n, t in CASES.values()]
-            expected = {tuple(p): run(plain, p).token_ids for p in prompts}
-            done[name, backend] = planted(path, script=expected.items(), backend=backend), expected
-        return done[name, backend]
+            expected = {tuple(p): cold(engine, p).token_ids for p in prompts}  # before any script
+            engine.drafter.scripts.update(expected)
+            done[name, backend] = engine, expected
+        engine, expected = done[name, backend]
+        engine.prefix_store.clear()
+        return engine, expected
 
     return get
 
@@ -155,10 +159,10 @@ def test_a_resumed_request_gives_the_cold_tokens_through_rollbacks(engines, back
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("backend", ON)
-def test_the_next_turn_resumes_where_the_last_output_ended(family, backend, name):
+def test_the_next_turn_resumes_where_the_last_output_ended(engines, backend, name):
     """The second turn's prompt is the first's, its output and a new part: it resumes from the
     snapshot stored when the first request ended (after its rollbacks), and gives cold tokens."""
-    engine = planted(family(name), backend=backend)
+    engine = engines(name, backend)[0]
     first = run(engine, prefix_of(40), new=24)
     turn = prefix_of(40) + first.token_ids + TAIL
     want = cold(engine, turn).token_ids
@@ -296,11 +300,11 @@ def test_plain_decoding_resumes_after_its_pipelined_steps(family, backend):
 
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_5"])
 @pytest.mark.parametrize("backend", ON)
-def test_prompts_sharing_a_system_prefix_get_a_checkpoint_there(family, backend, name):
+def test_prompts_sharing_a_system_prefix_get_a_checkpoint_there(engines, backend, name):
     """Sliding and hybrid snapshots serve only prompts extending their whole tokens, so a second
     prompt that shares just a system prefix with the first misses; its prefill then stops at the
     shared prefix's end to store a snapshot, and a third prompt sharing it resumes there."""
-    engine = planted(family(name), backend=backend)
+    engine = engines(name, backend)[0]
     system, users = prefix_of(40), [[7, 8, 9, 10], [11, 12, 13, 14, 15], [16, 17, 18]]
     want = cold(engine, system + users[2]).token_ids
     first, second = (run(engine, system + u, new=8) for u in users[:2])
