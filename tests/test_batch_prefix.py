@@ -61,16 +61,35 @@ def drafter_rows(monkeypatch):
     return seen
 
 
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_freed():
+    yield
+    _ENGINES.clear()
+
+
 def engine_for(path, backend: str, script=(), store: bool = True):
+    """A planted engine, one per target, backend and store setting for the module (a compiled one
+    costs a compile per width), handed out with ``script``, an empty prefix store and the padded
+    layout, as if new."""
     if backend.startswith("mlx"):
         pytest.importorskip("mlx_lm")
-    config = {"backend": {**SETTINGS[backend], "device": "cpu", "dtype": "float32"}, "target": {"path": str(path)},
-              "drafter": {"kind": "planted", "block_size": 5,
-                          "options": {"script": list(script), "mistakes": [0, 2, -1], "target_layer_ids": [1]}}}
-    if not store:
-        config["prefix_cache"] = {"max_bytes": 0}
-    engine = load_engine(config, registry=registry_with_planted())
+    key = (str(path), backend, store)
+    if key not in _ENGINES:
+        config = {"backend": {**SETTINGS[backend], "device": "cpu", "dtype": "float32"}, "target": {"path": str(path)},
+                  "drafter": {"kind": "planted", "block_size": 5,
+                              "options": {"mistakes": [0, 2, -1], "target_layer_ids": [1]}}}
+        if not store:
+            config["prefix_cache"] = {"max_bytes": 0}
+        _ENGINES[key] = load_engine(config, registry=registry_with_planted())
+    engine = _ENGINES[key]
     engine.batch_plan.enabled = False  # every row drafts its full width: the rejections stay as planted
+    engine.batch_layout = "padded"
+    engine.drafter.scripts = {tuple(prompt): list(continuation) for prompt, continuation in script}
+    if store:
+        engine.prefix_store.clear()
     return engine
 
 
