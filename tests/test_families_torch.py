@@ -66,6 +66,23 @@ def reference(family):
     return get
 
 
+@pytest.fixture(scope="module")
+def compiled_engine(family, reference):
+    """``compiled_engine(name)``: a planted engine on the compiled path (``backend.compile: on``),
+    block 6, scripted with transformers' continuations; one per family for the module, as each
+    costs a compile per width."""
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            expected = reference(name)
+            done[name] = planted_engine(family(name), [(PROMPTS[k], expected[k]) for k in PROMPTS], block_size=6,
+                                        backend={**BACKEND, "compile": "on"})
+        return done[name]
+
+    return get
+
+
 def direct_model(path):
     """The checkpoint loaded with the transformers class its config.json names."""
     architecture = json.loads((path / "config.json").read_text())["architectures"][0]
@@ -175,16 +192,14 @@ SLIDING = ["gemma3_text", "mistral", "gpt_oss", "muse_glimmer"]  # sliding-windo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLIDING + list(HYBRID))
-def test_families_run_compiled_and_equal_transformers(family, reference, name):
+def test_families_run_compiled_and_equal_transformers(compiled_engine, reference, name):
     """``backend.compile: on`` for every family. Sliding-window layers: the static cache keeps every
     row (laid out as full attention), and the model masks each sliding layer itself. Gated
     DeltaNet layers: their states are recorded inside the graphs and put back by a crop
     (recording_static.py). Greedy speculation with rejections at every position, rolled back after
     the window has filled, gives transformers' tokens, and no graph is compiled twice. Blocks of 6
     run the graph of width 8, so every forward's padding is taken back."""
-    path, expected = family(name), reference(name)
-    engine = planted_engine(path, [(PROMPTS[k], expected[k]) for k in PROMPTS], block_size=6,
-                            backend={**BACKEND, "compile": "on"})
+    engine, expected = compiled_engine(name), reference(name)
     assert engine.target.fast_path.startswith("compiled: widths"), engine.target.fast_path
     seen, deep = set(), 0
     for key, ids in PROMPTS.items():
@@ -252,8 +267,8 @@ def test_a_hybrid_grows_its_static_cache_and_finishes_eager_when_a_compile_fails
 
 
 @pytest.mark.slow
-def test_a_compiled_crop_deeper_than_the_last_forward_is_refused(family):
-    engine = planted_engine(family("qwen3_5"), [], backend={**BACKEND, "compile": "on"})
+def test_a_compiled_crop_deeper_than_the_last_forward_is_refused(compiled_engine):
+    engine = compiled_engine("qwen3_5")
     target, backend = engine.target, engine.backend
     target.reset()
     target.prefill(PROMPTS["long"])
