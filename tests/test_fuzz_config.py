@@ -9,8 +9,6 @@ derandomized by default, so the suite stays fast and repeatable.
 
 from __future__ import annotations
 
-import contextlib
-
 import json
 import math
 import os
@@ -126,18 +124,12 @@ def toml_texts() -> st.SearchStrategy[str]:
     return st.lists(line, max_size=10).map(lambda lines: '[target]\npath = "/m"\n' + "\n".join(lines))
 
 
-@contextlib.contextmanager
-def _written(suffix: str, content: bytes):
-    """``content`` as a config file named ``engine<suffix>``, deleted afterwards (hypothesis runs
-    each test hundreds of times: left behind, the files filled /tmp)."""
+def load_file_or_refuse(suffix: str, content: bytes) -> EngineConfig | None:
+    """``load_or_refuse`` of ``content`` as a file named ``engine<suffix>``, deleted afterwards
+    (hypothesis runs each test hundreds of times: left behind, the files filled /tmp)."""
     with tempfile.TemporaryDirectory(prefix="speculant-fuzz-") as folder:
         path = Path(folder) / f"engine{suffix}"
         path.write_bytes(content)
-        yield path
-
-
-def load_file_or_refuse(suffix: str, content: bytes) -> EngineConfig | None:
-    with _written(suffix, content) as path:
         return load_or_refuse(path)
 
 
