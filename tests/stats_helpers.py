@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from speculant.check import chi_square_sf
+from speculant.check.sampling import pooled_bins
 
 
 def reference_probs(logits, temperature, top_k=0, top_p=1.0):
@@ -31,19 +32,13 @@ def chi2_sf(stat: float, df: int) -> float:
 
 def gof_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
     """Chi-square p-value of categorical samples against ``probs``; 0 if an impossible cell occurs.
-
-    Cells expecting fewer than 5 observations are pooled into one.
-    """
+    Rare cells are pooled as ``speculant check`` pools them (``pooled_bins``)."""
     probs = probs.ravel()
     counts = np.bincount(samples, minlength=probs.size).astype(np.float64)
     if counts[probs <= 0].sum() > 0:
         return 0.0
     n = counts.sum()
-    obs, exp = counts[probs > 0], probs[probs > 0] * n
-    small = exp < 5
-    if small.any():
-        obs = np.append(obs[~small], obs[small].sum())
-        exp = np.append(exp[~small], exp[small].sum())
+    obs, exp = pooled_bins(counts[probs > 0], probs[probs > 0] * n)
     if obs.size < 2:
         return 1.0
     try:

@@ -52,6 +52,24 @@ def test_chi_square_tail(x, dof, expected):
     assert chi_square_sf(x, dof) == pytest.approx(expected, rel=2e-3, abs=0)
 
 
+def test_a_rare_token_drawn_once_is_pooled_not_failed():
+    """A token of probability 1e-5 drawn once in 200 draws, the rest as expected. Pooled alone (as
+    before), its bin (observed 1, expected 0.002) made a statistic of about 500 and failed the
+    check; the pool now takes in the least expected tokens until it expects 5 draws."""
+    from collections import Counter
+
+    import numpy as np
+
+    from speculant.check import chi_square
+    from speculant.check.sampling import pooled_bins
+
+    probs = np.array([0.5, 0.3, 0.19999, 0.00001])
+    stat, dof = chi_square(Counter({0: 100, 1: 60, 2: 39, 3: 1}), probs)
+    assert chi_square_sf(stat, dof) > 0.5, (stat, dof)
+    obs, exp = pooled_bins(np.array([100.0, 60, 39, 1]), probs * 200)
+    assert list(obs) == [40, 60, 100] and list(exp) == pytest.approx([40, 60, 100])
+
+
 def test_greedy_check_passes_an_exact_pairing(engine):
     results = check_greedy(engine, PROMPTS, 40)
     assert [r.ok for r in results] == [True, True]
