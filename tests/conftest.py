@@ -27,6 +27,27 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep theirs
 
 
+@pytest.fixture(autouse=True)
+def _compiler(request):
+    """``@pytest.mark.compiler("aot_eager")`` (on a test or a whole module): the graphs that
+    ``torch.compile`` builds in the test are traced by dynamo as in production (``fullgraph``,
+    guards, recompiles) and functionalized by AOTAutograd, then run by its eager backend instead of
+    inductor's generated C++. A cold inductor compile of a tiny hybrid's verify widths took 230 s
+    on a 2-core CI-class machine against 58 s so (docs/history/test-suite-time.md). Tests whose
+    subject is the compiled code itself (test_fast_path_torch.py, the transposed and packed
+    weights, one graph per layer kind) keep inductor: ``compiler("inductor")`` or no marker."""
+    marker = request.node.get_closest_marker("compiler")
+    if marker is None or marker.args[0] == "inductor":
+        yield
+        return
+    import functools
+
+    torch = pytest.importorskip("torch")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "compile", functools.partial(torch.compile, backend=marker.args[0]))
+        yield
+
+
 @pytest.fixture(scope="session")
 def torch_threads():
     torch = pytest.importorskip("torch")

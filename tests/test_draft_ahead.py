@@ -86,6 +86,7 @@ def test_drafting_ahead_changes_no_token_acceptance_or_draft_row(half_planted, k
 
 
 @pytest.mark.slow
+@pytest.mark.compiler("aot_eager")  # inductor's draft graphs: test_fast_path_torch.py
 def test_drafting_ahead_with_the_compiled_draft_step(half_planted):
     """The compiled draft keeps context rows by position: a withdrawn draft's rows are
     overwritten by the next, never read. One engine, its setting switched between requests (each

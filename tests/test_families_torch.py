@@ -36,6 +36,10 @@ WINDOW = 16
 PROMPTS = {"short": list(range(5, 15)), "long": list(range(20, 60))}  # 10 and 40 tokens
 MISTAKES = [0, 3, -1, 1, 5, -1, 2]  # spoiled block position per cycle; -1: the whole block is right
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
+# the compiled tests check what speculant puts in the graphs (static cache, recorded states, rollback)
+# for every family; inductor's code for them is the subject of test_fast_path_torch.py and, for the
+# Gated DeltaNet recording, of the hybrid's plain decoding test below
+pytestmark = pytest.mark.compiler("aot_eager")
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +216,7 @@ def test_families_run_compiled_and_equal_transformers(compiled_engine, reference
 
 
 @pytest.mark.slow
+@pytest.mark.compiler("inductor")
 def test_hybrid_plain_decoding_runs_compiled_and_takes_its_step_ahead_back(family, reference):
     """Plain greedy decoding of a Gated DeltaNet hybrid on the compiled path runs the width-1 graph a
     step ahead. It gives transformers' tokens for both prompts on one engine (a new request starts

@@ -162,6 +162,7 @@ def test_compiled_forwards_over_packed_weights_equal_eager(pair, eager, eager_sp
 
 
 @pytest.mark.slow
+@pytest.mark.compiler("aot_eager")  # the 512-row graphs: the same code as the 256-row ones above
 def test_growing_the_static_cache_keeps_its_rows(eager, compiled):
     capture = compiled.drafter.info.capture
     fast, slow = compiled.target, eager.target
@@ -181,6 +182,7 @@ def test_growing_the_static_cache_keeps_its_rows(eager, compiled):
 
 
 @pytest.mark.slow
+@pytest.mark.compiler("aot_eager")
 def test_requests_that_outgrow_the_static_cache(eager, compiled):
     """The CPU cache starts at 256 rows: 250 + 40 rows grow it to 512 (compiled anew) mid-request;
     500 + 12 rows outgrow the context window's 512, so that request finishes eager."""
