@@ -23,8 +23,12 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """The target and its random drafters; the layouts of their weights timed at the module's first
+    load of each backend and read back by the later ones (core/timing.py), as a user's loads do."""
     target = smollm2()[2]
-    return target, random_drafters(tmp_path_factory.mktemp("smollm2-drafters"), target, BLOCK)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_TIMINGS", str(tmp_path_factory.mktemp("timings") / "timings.json"))
+        yield target, random_drafters(tmp_path_factory.mktemp("smollm2-drafters"), target, BLOCK)
 
 
 def load(backend: str, target, drafter: str | None = None, path=None, lookup: bool = True):

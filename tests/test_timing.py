@@ -145,3 +145,67 @@ def test_transposing_made_slow_is_measured_slower_and_turned_down(monkeypatch):
     assert layout.transpose_linears(model, measure=True) == (2, None)
     assert all(type(m) is layout.TransposedLinear for m in model.layers)
     assert mx.array_equal(model.layers[1].weight_t.T, model.layers[1].weight).item()
+
+
+# -- remembered timings (timing.remembered) -------------------------------------------------------
+
+def counting(value):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return value
+    return measure, calls
+
+
+def test_a_timing_is_measured_once_per_key_and_kept_across_processes(tmp_path, monkeypatch):
+    path = tmp_path / "home" / "timings.json"
+    monkeypatch.setenv("SPECULANT_TIMINGS", str(path))
+    measure, calls = counting({8: 1.5, 1: 0.9})
+    assert timing.remembered("split", {"shapes": [[4, 4]]}, measure) == {"8": 1.5, "1": 0.9}  # JSON from the first
+    assert timing.remembered("split", {"shapes": [[4, 4]]}, measure) == {"8": 1.5, "1": 0.9}
+    assert len(calls) == 1 and path.is_file()
+    timing.remembered("split", {"shapes": [[4, 8]]}, measure)  # other layers: timed again
+    timing.remembered("layouts", {"shapes": [[4, 4]]}, measure)  # another measurement of the same layers
+    monkeypatch.setattr(timing, "machine", lambda: {"cpu": "another"})
+    timing.remembered("split", {"shapes": [[4, 4]]}, measure)  # another CPU
+    assert len(calls) == 4
+    monkeypatch.setenv("SPECULANT_TIMINGS", "off")
+    timing.remembered("split", {"shapes": [[4, 4]]}, measure)
+    assert len(calls) == 5
+
+
+def test_the_default_file_is_under_speculant_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECULANT_TIMINGS")
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    assert timing.timings_path() == tmp_path / "timings.json"
+    timing.remembered("layouts", {}, lambda: 1.25)
+    assert [entry["value"] for entry in __import__("json").loads((tmp_path / "timings.json").read_text()).values()] == [1.25]
+
+
+def test_a_broken_or_unwritable_file_is_timed_around(tmp_path, monkeypatch):
+    path = tmp_path / "timings.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("SPECULANT_TIMINGS", str(path))
+    measure, calls = counting(2.0)
+    assert timing.remembered("layouts", {}, measure) == 2.0 and len(calls) == 1  # rewritten whole
+    assert timing.remembered("layouts", {}, measure) == 2.0 and len(calls) == 1
+    blocked = tmp_path / "a file" / "timings.json"
+    (tmp_path / "a file").write_text("")  # its folder cannot be made
+    monkeypatch.setenv("SPECULANT_TIMINGS", str(blocked))
+    assert timing.remembered("layouts", {}, measure) == 2.0 and len(calls) == 2
+    assert not list(tmp_path.glob(".timings-*"))
+
+
+def test_a_second_load_reads_the_layouts_timed_by_the_first(tmp_path, monkeypatch, tiny_target):
+    """The target's layouts are timed once: the second load of the same target reads the gains
+    (and lays the weights out as the first did) instead of timing them again."""
+    import speculant
+    from speculant.backends.torch import layouts
+
+    monkeypatch.setenv("SPECULANT_TIMINGS", str(tmp_path / "timings.json"))
+    timed, measured = [], layouts.measured_speedups
+    monkeypatch.setattr(layouts, "measured_speedups", lambda *a, **k: timed.append(1) or measured(*a, **k))
+    config = {"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"}, "target": {"path": str(tiny_target)}}
+    first, second = (speculant.load_engine(config).target for _ in range(2))
+    assert len(timed) == 1 and first.layout == second.layout and first.fast_path == second.fast_path

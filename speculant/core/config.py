@@ -54,7 +54,8 @@ class BackendConfig(_Section):
     where the backend's benchmark shows they pay (PyTorch: compiled on CUDA, eager on a CPU; MLX:
     compiled whole forwards on a CPU; on a CPU in float32, linear weights stored transposed or
     packed for oneDNN on PyTorch, stored transposed on MLX, whichever is timed fastest at load, if
-    faster than as loaded; on MLX large products also split over the cores if timed faster), `on`
+    faster than as loaded; on MLX large products also split over the cores if timed faster; each
+    timing made once per machine and model shape and kept in `$SPECULANT_HOME/timings.json`), `on`
     wherever possible (on a CPU over the linear weights' layout timed fastest), `off` never."""
     draft_ahead: Literal["auto", "on", "off"] = "auto"
     """Draft the next block before the host reads this cycle's verification, assuming the whole

@@ -12,10 +12,20 @@ loaded, interleaved, over the model's own layers in order, as a forward reads th
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import json
 import math
+import os
+import platform
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from speculant.core.home import speculant_home
 
 MARGIN = 1.05  # the new layout must be this much faster than the old one to be kept
 REPEATS = 7
@@ -64,3 +74,64 @@ def working_set(layers: Sequence[Any], nbytes: Callable[[Any], int], budget: int
         chosen.append(layer)
         total += nbytes(layer)
     return chosen
+
+
+# -- remembered measurements ---------------------------------------------------------------------
+# Timing the layouts of SmolLM2-135M's 211 layers took 10-24 s of a 15-30 s load on a 2-core CPU
+# (2026-12-06), on every load. The result depends on the machine, the library and the layers'
+# shapes, so it is kept under that key and read back by later loads: timed once per machine.
+TIMINGS_FILE = "timings.json"
+
+
+def remembered(what: str, key: dict[str, Any], measure: Callable[[], Any]) -> Any:
+    """``measure()``'s result (JSON: a float, or a dict with string keys), timed once per machine
+    and ``key`` and kept in ``$SPECULANT_HOME/timings.json``; ``SPECULANT_TIMINGS=off`` times
+    every call, ``SPECULANT_TIMINGS=<file>`` keeps them there. A file that cannot be read or
+    written is timed around, never an error."""
+    path = timings_path()
+    if path is None:
+        return measure()
+    digest = hashlib.sha256(json.dumps({"what": what, "machine": machine(), **key}, sort_keys=True).encode()).hexdigest()
+    entries = _read(path)
+    if digest in entries and "value" in entries[digest]:
+        return entries[digest]["value"]
+    value = json.loads(json.dumps(measure()))  # what a later read gives, from the first call on
+    entries = _read(path)  # another process may have written since
+    entries[digest] = {"what": what, "value": value, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _write(path, entries)
+    return value
+
+
+def timings_path() -> Path | None:
+    setting = os.environ.get("SPECULANT_TIMINGS", "")
+    if setting.lower() == "off":
+        return None
+    return Path(setting).expanduser() if setting else speculant_home() / TIMINGS_FILE
+
+
+@functools.lru_cache(maxsize=1)
+def machine() -> dict[str, Any]:
+    """What a measurement depends on besides the library and the layers: the CPU and its cores."""
+    model = platform.processor()
+    with contextlib.suppress(OSError):
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"system": platform.system(), "arch": platform.machine(), "cpu": model, "cores": cores}
+
+
+def _read(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write(path: Path, entries: dict) -> None:
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".timings-", delete=False) as out:
+            json.dump(entries, out, indent=1, sort_keys=True)
+        os.replace(out.name, path)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from speculant.core.errors import SpeculantError
+from speculant.core.home import speculant_home
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
@@ -44,10 +45,6 @@ class WheelSource:
     licence: str
     title: str  # the model's name, for messages
     folder: str  # the folder name under $SPECULANT_HOME/models/
-
-
-def speculant_home() -> Path:
-    return Path(os.environ.get("SPECULANT_HOME") or Path.home() / ".cache" / "speculant").expanduser()
 
 
 def model_dir(source: WheelSource) -> Path:

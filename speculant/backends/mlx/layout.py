@@ -116,7 +116,7 @@ def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str
     dense = [layer for layer in found.values() if type(layer) is nn.Linear]
     if not dense:
         return 0, "no float32 nn.Linear layers to transpose"
-    gain = measured_speedup(dense) if measure else None
+    gain = timing.remembered("mlx transposed", library_key(dense), lambda: measured_speedup(dense)) if measure else None
     if gain is not None and not gain >= timing.MARGIN:
         return 0, f"transposed products were measured no faster than the layout as loaded on this CPU ({gain:.2f}x)"
     count, done = len(found), []
@@ -130,6 +130,12 @@ def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str
         model.update_modules(tree_unflatten([(path, swapped)]))
         done.append((path, swapped))
     return count, None
+
+
+def library_key(layers: list[nn.Module]) -> dict:
+    """What a layout's timing depends on here besides the CPU (core/timing.py remembers it)."""
+    return {"mlx": mx.__version__, "device": str(mx.default_device()),
+            "shapes": [[*layer.weight.shape, str(layer.weight.dtype)] for layer in layers]}
 
 
 def measured_speedup(linears: list[nn.Linear]) -> float:

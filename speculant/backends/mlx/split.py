@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from speculant.backends.mlx.layout import CHECK_TOLERANCE, TransposedLinear, TransposedTiedEmbedding, relative_error
+from speculant.backends.mlx.layout import (CHECK_TOLERANCE, TransposedLinear, TransposedTiedEmbedding, library_key,
+                                           relative_error)
 from speculant.core import timing
 
 MAX_PARTS = 4  # streams a product is split over at most
@@ -115,7 +116,10 @@ def split_linears(model: nn.Module, inner: nn.Module | None = None, measure: boo
         return None, None
     one_row = ""
     if measure:
-        gains = measured_speedups(list(found.values()), parts)
+        layers = list(found.values())
+        key = {**library_key(layers), "parts": parts}
+        gains = timing.remembered("mlx split", key, lambda: {str(k): v for k, v in measured_speedups(layers, parts).items()})
+        gains = {int(rows): gain for rows, gain in gains.items()}
         if not gains[BLOCK_ROWS] >= timing.MARGIN:
             return None, f"products split over {parts} cores measured no faster ({gains[BLOCK_ROWS]:.2f}x)"
         split_rows = 1 if gains[1] >= timing.MARGIN else 2

@@ -41,7 +41,8 @@ def lay_out(model: nn.Module, dtype: torch.dtype, compiled: bool = False) -> tup
     if not linears:
         return None, "no nn.Linear layers to lay out"
     kinds = ["transposed"] + (["packed"] if pack_problem(torch.device("cpu"), dtype) is None else [])
-    gains = measured_speedups(linears, kinds, compiled=compiled)
+    key = {**library_key(linears, dtype), "compiled": compiled, "kinds": kinds}
+    gains = timing.remembered("torch layouts", key, lambda: measured_speedups(linears, kinds, compiled=compiled))
     del linears  # the originals go as they are swapped out, not when this returns
     kind = max(gains, key=gains.get)
     if not gains[kind] >= timing.MARGIN:
@@ -79,12 +80,20 @@ def settle_one_row(model: nn.Module, compiled: bool = False) -> str:
     def packed(m: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         return packed_product(x, m.packed, m.bias) if compiled else m.packed_forward(x)
 
-    gain = timing.speedup(lambda: [packed(m, xs[m.in_features]) for m in sample],
-                          lambda: [nn.functional.linear(xs[m.in_features], m.dense, m.bias) for m in sample])
+    gain = timing.remembered("torch one-row packed", {**library_key(layers, layers[0].dense.dtype), "compiled": compiled}, lambda: timing.speedup(
+        lambda: [packed(m, xs[m.in_features]) for m in sample],
+        lambda: [nn.functional.linear(xs[m.in_features], m.dense, m.bias) for m in sample]))
     if gain >= timing.MARGIN:
         return ""
     drop_dense_copies(model)
     return f"; one-row products packed too (dense ones measured {gain:.2f}x as fast)"
+
+
+def library_key(layers: list[nn.Module], dtype: torch.dtype) -> dict:
+    """What a layout's timing depends on here besides the CPU (core/timing.py remembers it)."""
+    shapes = [[layer.in_features, layer.out_features, layer.bias is not None] for layer in layers]
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "shapes": shapes,
+            "dtype": str(dtype)}
 
 
 def laid_out(model: nn.Module, kind: str, count: int) -> str:
