@@ -212,11 +212,11 @@ def test_a_fork_shares_the_weights_and_compiled_code_not_the_state(pairs, kind, 
 
 
 @pytest.mark.parametrize(("kind", "compiler"), [("dflash", "eager"), ("dflash2", "eager"),
-                                                pytest.param("dflash", "inductor", marks=pytest.mark.slow)])
+                                                pytest.param("dflash", "aot_eager", marks=pytest.mark.slow)])
 def test_forks_share_the_compiled_torch_draft_graphs(pairs, kind, compiler, monkeypatch):
-    """The compiled draft step (dflash/compiled.py), traced by dynamo and run by its eager backend
-    (inductor: a dozen seconds more on a CPU): forks keep buffers of their own, run the
-    original's graphs, and compile nothing more."""
+    """The compiled draft step (dflash/compiled.py), traced by dynamo and run by its eager backend,
+    or functionalized by AOTAutograd too (inductor's draft graphs: test_fast_path_torch.py): forks
+    keep buffers of their own, run the original's graphs, and compile nothing more."""
     engine, prompts = load(pairs, kind, "torch")
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=compiler))
     engine.drafter.net.compile_step(8)

@@ -62,6 +62,7 @@ def test_the_fastest_layout_measured_is_the_one_kept(planted_pair, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.compiler("aot_eager")  # the graphs traced over TransposedLinear; inductor's code: test_fast_path_torch.py
 def test_compiled_forwards_run_over_transposed_weights_and_change_no_token(planted_pair, monkeypatch):
     """``on`` times the layouts as ``auto`` does, and compiles the target and the draft step over
     the transposed weights where they are timed fastest (packed ones: test_fast_path_torch.py)."""
