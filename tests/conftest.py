@@ -10,9 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-# layouts timed at every load, as tests that patch the measurement expect (a remembered timing
-# would skip it); test_timing.py and the real pair's tests keep theirs in a file of their own
-os.environ.setdefault("SPECULANT_TIMINGS", "off")
+os.environ.setdefault("SPECULANT_TIMINGS", "off")  # and per test: _timings below
 
 # The modules that ran longest (wall seconds on the 2-core AVX2 CI-class machine, full suite,
 # 2026-12-05: 530, 486, 304, 210, 208, 189, 164, 144, 136, 130, 130). ``--dist loadscope`` hands
@@ -48,6 +46,19 @@ def _compiler(request):
     torch = pytest.importorskip("torch")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "compile", functools.partial(torch.compile, backend=marker.args[0]))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _timings(request, tmp_path_factory):
+    """Weight layouts timed at every load (``SPECULANT_TIMINGS=off``), as tests that patch or check
+    the measurement expect: a remembered timing (core/timing.py) would skip it. A test marked
+    ``remembered_timings`` reads and fills one file shared with the run's other such tests, as a
+    user's loads do. Set per test, so that no test's setting can reach another's."""
+    marked = request.node.get_closest_marker("remembered_timings") is not None
+    value = str(tmp_path_factory.getbasetemp() / "timings.json") if marked else "off"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_TIMINGS", value)
         yield
 
 

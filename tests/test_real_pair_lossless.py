@@ -13,7 +13,7 @@ import pytest
 import speculant
 from real_pair_helpers import random_drafters, smollm2
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_pair]
+pytestmark = [pytest.mark.slow, pytest.mark.real_pair, pytest.mark.remembered_timings]
 
 PROMPTS = ["Write a Python function that adds two numbers.", "List the numbers from 1 to 40, one per line.",
            "Explain briefly what a dictionary is in Python."]
@@ -23,12 +23,10 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """The target and its random drafters; the layouts of their weights timed at the module's first
-    load of each backend and read back by the later ones (core/timing.py), as a user's loads do."""
+    """The target and its random drafters. The layouts of their weights are timed at the first load
+    of each backend and read back by the later ones (``remembered_timings``), as a user's loads are."""
     target = smollm2()[2]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPECULANT_TIMINGS", str(tmp_path_factory.mktemp("timings") / "timings.json"))
-        yield target, random_drafters(tmp_path_factory.mktemp("smollm2-drafters"), target, BLOCK)
+    return target, random_drafters(tmp_path_factory.mktemp("smollm2-drafters"), target, BLOCK)
 
 
 def load(backend: str, target, drafter: str | None = None, path=None, lookup: bool = True):
