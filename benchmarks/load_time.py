@@ -56,7 +56,8 @@ def main() -> None:
                 seconds.append(out["seconds"])
                 print(f"{backend} load {index + 1}: {out['seconds']:.1f} s  ({out['fast_path']})", flush=True)
         later = statistics.median(seconds[1:]) if len(seconds) > 1 else float("nan")
-        print(f"{backend}: first load {seconds[0]:.1f} s, later loads {later:.1f} s (median), {seconds[0] / later:.1f}x")
+        print(f"{backend}: first load {seconds[0]:.1f} s, later loads {later:.1f} s (median), "
+              f"{seconds[0] / later:.1f}x")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from speculant.testing.planted_drafter import PlantedDrafter, registry_with_plan
 # MLX's default on the CPU is the compiled path (static buffers, their own snapshot format), as
 # PyTorch's is on CUDA (its static cache, slow to compile on the CPU)
 # traced and functionalized graphs, run without inductor (conftest.py; inductor: test_fast_path_torch.py)
-MARKS = {"torch-compiled": [pytest.mark.slow, pytest.mark.compiler("aot_eager")], "mlx": [pytest.mark.mlx], "mlx-eager": [pytest.mark.mlx]}
+MARKS = {"torch-compiled": [pytest.mark.slow, pytest.mark.compiler("aot_eager")], "mlx": [pytest.mark.mlx],
+         "mlx-eager": [pytest.mark.mlx]}
 SETTINGS = {"torch": {"kind": "torch"}, "torch-compiled": {"kind": "torch", "compile": "on"}, "mlx": {"kind": "mlx"},
             "mlx-eager": {"kind": "mlx", "compile": "off"}}
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")  # dense; sliding windows (16); Gated DeltaNet 3 : 1

@@ -40,7 +40,8 @@ BACKENDS = {
 # the compiled graphs traced and functionalized, run without inductor (conftest.py): what is tested is
 # the static cache's snapshots and restores around them; inductor's code is test_fast_path_torch.py's
 TRACED = pytest.mark.compiler("aot_eager")
-_MARKS = {"mlx": [_MLX, pytest.mark.mlx], "mlx-compiled": [_MLX, pytest.mark.mlx], "torch-compiled": [pytest.mark.slow, TRACED]}
+_MARKS = {"mlx": [_MLX, pytest.mark.mlx], "mlx-compiled": [_MLX, pytest.mark.mlx],
+          "torch-compiled": [pytest.mark.slow, TRACED]}
 ON = [pytest.param(b, marks=_MARKS.get(b, [])) for b in BACKENDS]
 FAMILIES = ("llama", "gemma3_text", "qwen3_5")
 MISTAKES = [0, 3, -1, 1, 5, -1, 2]

@@ -5,6 +5,7 @@ for real: a layout made slow on purpose must be measured slower and turned down.
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import pytest
@@ -180,7 +181,8 @@ def test_the_default_file_is_under_speculant_home(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
     assert timing.timings_path() == tmp_path / "timings.json"
     timing.remembered("layouts", {}, lambda: 1.25)
-    assert [entry["value"] for entry in __import__("json").loads((tmp_path / "timings.json").read_text()).values()] == [1.25]
+    entries = json.loads((tmp_path / "timings.json").read_text())
+    assert [entry["value"] for entry in entries.values()] == [1.25]
 
 
 def test_a_broken_or_unwritable_file_is_timed_around(tmp_path, monkeypatch):

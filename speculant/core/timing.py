@@ -90,12 +90,13 @@ def remembered(what: str, key: dict[str, Any], measure: Callable[[], Any]) -> An
     written is timed around, never an error."""
     path = timings_path()
     if path is None:
-        return measure()
-    digest = hashlib.sha256(json.dumps({"what": what, "machine": machine(), **key}, sort_keys=True).encode()).hexdigest()
+        return _as_read(measure())
+    identity = json.dumps({"what": what, "machine": machine(), **key}, sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()
     entries = _read(path)
     if digest in entries and "value" in entries[digest]:
         return entries[digest]["value"]
-    value = json.loads(json.dumps(measure()))  # what a later read gives, from the first call on
+    value = _as_read(measure())
     entries = _read(path)  # another process may have written since
     entries[digest] = {"what": what, "value": value, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     _write(path, entries)
@@ -121,6 +122,11 @@ def machine() -> dict[str, Any]:
     return {"system": platform.system(), "arch": platform.machine(), "cpu": model, "cores": cores}
 
 
+def _as_read(value: Any) -> Any:
+    """``value`` as a read of the file gives it back (a dict's keys strings), whatever the setting."""
+    return json.loads(json.dumps(value))
+
+
 def _read(path: Path) -> dict:
     try:
         entries = json.loads(path.read_text())
@@ -130,8 +136,13 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, entries: dict) -> None:
+    """Written whole, then moved into place: a reader never sees half a file."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".timings-", delete=False) as out:
             json.dump(entries, out, indent=1, sort_keys=True)
-        os.replace(out.name, path)
+        try:
+            os.replace(out.name, path)
+        except OSError:
+            os.unlink(out.name)
+            raise

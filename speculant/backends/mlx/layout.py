@@ -116,7 +116,9 @@ def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str
     dense = [layer for layer in found.values() if type(layer) is nn.Linear]
     if not dense:
         return 0, "no float32 nn.Linear layers to transpose"
-    gain = timing.remembered("mlx transposed", library_key(dense), lambda: measured_speedup(dense)) if measure else None
+    gain = None
+    if measure:
+        gain = timing.remembered("mlx transposed", library_key(dense), lambda: measured_speedup(dense))
     if gain is not None and not gain >= timing.MARGIN:
         return 0, f"transposed products were measured no faster than the layout as loaded on this CPU ({gain:.2f}x)"
     count, done = len(found), []

@@ -118,8 +118,8 @@ def split_linears(model: nn.Module, inner: nn.Module | None = None, measure: boo
     if measure:
         layers = list(found.values())
         key = {**library_key(layers), "parts": parts}
-        gains = timing.remembered("mlx split", key, lambda: {str(k): v for k, v in measured_speedups(layers, parts).items()})
-        gains = {int(rows): gain for rows, gain in gains.items()}
+        gains = timing.remembered("mlx split", key, lambda: measured_speedups(layers, parts))
+        gains = {int(rows): gain for rows, gain in gains.items()}  # JSON keys are strings
         if not gains[BLOCK_ROWS] >= timing.MARGIN:
             return None, f"products split over {parts} cores measured no faster ({gains[BLOCK_ROWS]:.2f}x)"
         split_rows = 1 if gains[1] >= timing.MARGIN else 2

@@ -80,9 +80,12 @@ def settle_one_row(model: nn.Module, compiled: bool = False) -> str:
     def packed(m: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         return packed_product(x, m.packed, m.bias) if compiled else m.packed_forward(x)
 
-    gain = timing.remembered("torch one-row packed", {**library_key(layers, layers[0].dense.dtype), "compiled": compiled}, lambda: timing.speedup(
-        lambda: [packed(m, xs[m.in_features]) for m in sample],
-        lambda: [nn.functional.linear(xs[m.in_features], m.dense, m.bias) for m in sample]))
+    def measure() -> float:
+        return timing.speedup(lambda: [packed(m, xs[m.in_features]) for m in sample],
+                              lambda: [nn.functional.linear(xs[m.in_features], m.dense, m.bias) for m in sample])
+
+    key = {**library_key(layers, layers[0].dense.dtype), "compiled": compiled}
+    gain = timing.remembered("torch one-row packed", key, measure)
     if gain >= timing.MARGIN:
         return ""
     drop_dense_copies(model)
