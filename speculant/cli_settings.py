@@ -61,11 +61,12 @@ def add_override_flags(gen: argparse.ArgumentParser) -> None:
 
 
 def add_pair_flag(parser: argparse.ArgumentParser) -> None:
-    from speculant.pairs import DEFAULT_PAIR, PAIRS
+    from speculant.pairs import DEFAULT_PAIR, PAIR_ENV, PAIRS
 
     parser.add_argument("--pair", choices=sorted(PAIRS), metavar="NAME",
                         help=f"the named model pair to run with no --config/--target: {', '.join(sorted(PAIRS))} "
-                             f"(default {DEFAULT_PAIR}; smollm2 is fetched and converted once, see `speculant pull`)")
+                             f"(default ${PAIR_ENV}, else {DEFAULT_PAIR}; smollm2 is fetched and converted once, "
+                             "see `speculant pull`; tiny needs no network)")
 
 
 def finite_float(text: str) -> float:
@@ -120,11 +121,14 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def embedded_config(args: argparse.Namespace) -> dict[str, Any]:
-    """No config and no --target: the named pair (``--pair``; the one shipped with speculant by
-    default), its target pulled first where it is not cached."""
+    """No config and no --target: the named pair (``--pair``, else ``$SPECULANT_PAIR``, else
+    SmolLM2), its target pulled first where it is not cached."""
     from speculant import embedded, pairs
 
-    name = getattr(args, "pair", None) or pairs.DEFAULT_PAIR
+    try:
+        name = getattr(args, "pair", None) or pairs.default_pair()
+    except pairs.PullError as exc:
+        raise UsageError(str(exc)) from None
     if name != "tiny":
         if args.draft:
             raise UsageError(f"--draft needs --target or --config (the {name} pair brings its own drafters)")

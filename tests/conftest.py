@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("SPECULANT_TIMINGS", "off")  # and per test: _timings below
+# commands given no model run the shipped tiny pair (no download); tests of the real default
+# (SmolLM2) delete this with monkeypatch
+os.environ["SPECULANT_PAIR"] = "tiny"
 
 # The modules that ran longest (wall seconds on the 2-core AVX2 CI-class machine, full suite,
 # 2026-12-05: 530, 486, 304, 210, 208, 189, 164, 144, 136, 130, 130). ``--dist loadscope`` hands

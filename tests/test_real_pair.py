@@ -178,13 +178,14 @@ def pair_config(*args: str):
     return build_config(build_parser().parse_args(["generate", "hi", *args]))
 
 
-def test_pair_smollm2_runs_the_cached_target_plain_until_drafters_ship(cached_smollm2, monkeypatch, tmp_path):
+def test_pair_smollm2_runs_prompt_lookup_alone_until_drafters_ship(cached_smollm2, monkeypatch, tmp_path):
     from speculant import pairs
     from speculant.cli_settings import UsageError
 
     monkeypatch.setattr(pairs, "PACKAGE_DIR", tmp_path / "package")
     config = pair_config("--pair", "smollm2", "--backend", "torch")
-    assert config.target.path == cached_smollm2 and not config.drafter.enabled
+    assert config.target.path == cached_smollm2 and not config.drafter.enabled and config.drafter.lookup.enabled
+    assert not pair_config("--pair", "smollm2", "--no-lookup").drafter.lookup.enabled
     with pytest.raises(UsageError, match="--drafter: the smollm2 pair ships drafters: none; got 'dflash2'"):
         pair_config("--pair", "smollm2", "--drafter", "dflash2")
     shipped = tmp_path / "package" / "smollm2" / "dflash2"
@@ -193,6 +194,20 @@ def test_pair_smollm2_runs_the_cached_target_plain_until_drafters_ship(cached_sm
     config = pair_config("--pair", "smollm2", "--backend", "torch")
     assert (config.drafter.kind, config.drafter.path) == ("dflash2", shipped)
     assert not pair_config("--pair", "smollm2", "--drafter", "none").drafter.enabled
+    assert not pair_config("--pair", "smollm2", "--drafter", "none").drafter.lookup.enabled
+
+
+def test_smollm2_is_the_default_pair_and_speculant_pair_names_another(cached_smollm2, monkeypatch):
+    from speculant.cli_settings import UsageError
+
+    monkeypatch.delenv("SPECULANT_PAIR")  # the test run's default is tiny (conftest)
+    assert pair_config().target.path == cached_smollm2
+    monkeypatch.setenv("SPECULANT_PAIR", "tiny")
+    assert "embedded" in str(pair_config().target.path)
+    assert pair_config("--pair", "smollm2").target.path == cached_smollm2  # the flag wins
+    monkeypatch.setenv("SPECULANT_PAIR", "llama70b")
+    with pytest.raises(UsageError, match="SPECULANT_PAIR='llama70b' names no pair; known pairs: tiny, smollm2"):
+        pair_config()
 
 
 def test_pair_flag_conflicts_with_a_target_or_config():
@@ -200,7 +215,7 @@ def test_pair_flag_conflicts_with_a_target_or_config():
 
     with pytest.raises(UsageError, match="--pair names a model pair"):
         pair_config("--pair", "smollm2", "--target", "somewhere")
-    assert "embedded" in str(pair_config("--pair", "tiny").target.path)  # the shipped pair, as with no flag
+    assert "embedded" in str(pair_config("--pair", "tiny").target.path)  # the shipped pair
 
 
 def test_bench_quick_pair_smollm2_measures_plain_decoding_until_drafters_ship(cached_smollm2, monkeypatch, tmp_path):
