@@ -2,7 +2,7 @@
 on chat prompts, side by side in one process.
 
     python benchmarks/default_pair.py [--pair smollm2] [--backend torch] [--max-new-tokens 128]
-        [--repeats 3] [--threads 1,2] [--plain-compile auto,off] [--prompts-file prompts.json]
+        [--repeats 3] [--threads 1,2] [--plain-compile auto,off] [--prompts-file prompts.json] [--prompts N]
 
 Arms, run in turn in every repeat (order reversed every other repeat, so drift hits them alike):
 ``default`` (``pairs.engine_config(pair)``: today SmolLM2 with prompt lookup alone) and plain
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2", help="plain arms' thread counts")
     parser.add_argument("--plain-compile", default="auto,off", help="plain arms' backend.compile settings")
     parser.add_argument("--prompts-file")
+    parser.add_argument("--prompts", type=int, default=None, help="the first N prompts only")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     args.threads = [int(t) for t in args.threads.split(",")]
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = {f"{name} t{t}": (engine, t) for name, engine in loaded.items() for t in args.threads}
     tokenizer = loaded["default"].tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in load_prompts(args.prompts_file)]
+                                             tokenize=True, return_dict=False) for p in load_prompts(args.prompts_file)[:args.prompts]]
     for engine in loaded.values():  # warm-up: compiles, layouts, first allocations
         engine.run(prompt_ids=prompts[0], max_new_tokens=8)
     rates: dict[str, list[float]] = {name: [] for name in arms}

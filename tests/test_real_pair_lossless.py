@@ -104,3 +104,21 @@ def test_serve_answers_chat_through_the_openai_client_as_plain_decoding_does(pai
     streamed = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
     assert whole.choices[0].message.content == expected.text == streamed
     assert whole.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_the_readme_run_command_chats_with_smollm2_by_default(pair):
+    """README's run command, no config and no --pair: SmolLM2 answers the chat prompt (prompt
+    lookup alone, no drafter ships for it yet) with plain decoding's tokens, and says so."""
+    import os
+    import subprocess
+    import sys
+
+    target = pair[0]
+    env = {k: v for k, v in os.environ.items() if k != "SPECULANT_PAIR"}  # the tests' default is tiny
+    env.update(SPECULANT_HOME=str(target.parents[1]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "speculant", "generate", "--chat", PROMPTS[0], "--compare",
+                           "--max-new-tokens", "48"], env=env, capture_output=True, text=True, timeout=600)
+    # --compare refuses an engine with neither a drafter nor lookup: its speed-up line shows lookup on
+    assert done.returncode == 0, done.stderr
+    assert "def " in done.stdout, done.stdout  # a real answer to the prompt
+    assert "speed-up" in done.stderr and "identical output: all 48 tokens" in done.stderr, done.stderr

@@ -42,7 +42,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser] | None = None) -
                    help="a small preset matrix on the default model (a tiny test pair when none is available)")
     p.add_argument("--reference", action="store_true",
                    help="add the reference dflash loop and transformers DFlash columns where they can run")
-    p.add_argument("--pair", metavar="NAME", help="with --quick: the named model pair (tiny, smollm2; default tiny)")
+    p.add_argument("--pair", metavar="NAME",
+                   help="with --quick: the named model pair (tiny, smollm2; default tiny, whose drafters the "
+                        "matrix compares: none is trained for smollm2 yet)")
     g = p.add_argument_group("matrix (comma-separated lists)")
     g.add_argument("--target", metavar="DIR", help="target model folder")
     g.add_argument("--draft", metavar="DIR", help="draft checkpoint folder for drafters without their own path")
