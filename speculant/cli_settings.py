@@ -1,5 +1,5 @@
 """What every command that loads an engine shares: the settings flags, how they apply on top of a
-config file (or the shipped pair), the plugin registry a command uses, and its errors and warnings."""
+config file (or a named model pair), the plugin registry a command uses, and its errors and warnings."""
 
 from __future__ import annotations
 

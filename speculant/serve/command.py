@@ -13,7 +13,7 @@ from speculant.serve import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_PORT
 
 def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     serve = sub.add_parser("serve", parents=parents, help="serve an OpenAI-compatible HTTP API (needs [serve])")
-    serve.add_argument("--config", metavar="FILE", help="engine config (.toml, .yaml, .json); default: the shipped pair")
+    serve.add_argument("--config", metavar="FILE", help="engine config (.toml, .yaml, .json); default: the default pair (--pair)")
     serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--api-key", default=None, metavar="KEY",
@@ -33,7 +33,7 @@ def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.
     export = sub.add_parser("export", parents=parents,
                             help="print the launch command of vLLM, SGLang, llama.cpp or oMLX for the same pairing")
     export.add_argument("--to", required=True, choices=["vllm", "sglang", "llama.cpp", "omlx"], help="the engine")
-    export.add_argument("--config", metavar="FILE", help="engine config; default: the shipped pair")
+    export.add_argument("--config", metavar="FILE", help="engine config; default: the default pair (--pair)")
     add_override_flags(export)
     export.set_defaults(func=cmd_export)
 

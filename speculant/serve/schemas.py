@@ -45,7 +45,7 @@ class _Common(UserModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    # None: the engine config's sampling settings (greedy for the shipped pair)
+    # None: the engine config's sampling settings (greedy for the named pairs)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
