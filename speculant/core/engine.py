@@ -165,8 +165,9 @@ class Engine:
         each request produces text; a request's last chunk carries its ``stop_reason`` and stats
         (``"error"`` and the exception in ``chunk.error`` where that request alone failed).
 
-        Each request's output is the one :meth:`generate` gives it alone (the same settings:
-        ``overrides`` as for :meth:`generate`). Every prompt and setting is checked before
+        Greedy, each request's output is the one :meth:`generate` gives it alone (the same
+        settings: ``overrides`` as for :meth:`generate`); sampled, it follows the same distribution,
+        but a seed does not repeat the solo run's draws (a batch may verify other widths). Every prompt and setting is checked before
         anything runs; the engine is held until the iterator is exhausted or closed."""
         add_special = overrides.pop("add_special_tokens", True)
         self._check_idle()
