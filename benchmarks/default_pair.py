@@ -7,10 +7,11 @@ on chat prompts, side by side in one process.
 Arms, run in turn in every repeat (order reversed every other repeat, so drift hits them alike):
 ``default`` (``pairs.engine_config(pair)``: today SmolLM2 with prompt lookup alone) and plain
 decoding at each ``--plain-compile`` setting, each at every ``--threads`` count (PyTorch); the
-ratio is the fastest default arm's median tokens/s over the fastest plain arm's. Every prompt is wrapped in the chat template; greedy; tokens/s = new
-tokens / wall seconds, prefill included, over all prompts. Every default run's tokens must equal
-the plain runs' (printed loudly otherwise; exit status 1). ``--prompts-file``: a JSON list of strings, or the
-``prompts.json`` of ``speculant train data`` (its held-out prompts).
+ratio is the fastest default arm's median tokens/s over the fastest plain arm's. Every prompt is
+wrapped in the chat template; greedy; tokens/s = new tokens / wall seconds, prefill included, over
+all prompts. Every default run's tokens must equal the plain runs' (printed loudly otherwise; exit
+status 1). ``--prompts-file``: a JSON list of strings, or the ``prompts.json`` of ``speculant train
+data`` (its held-out prompts).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from speculant.bench.conditions import git_revision
 
 PROMPTS = [
     "Write a Python function that adds two numbers.",
@@ -75,12 +77,6 @@ def run_arm(engine, threads: int, prompts: list[list[int]], n: int) -> tuple[flo
     return tokens / seconds, [r.token_ids for r in results], sum(acceptance) / max(1, len(acceptance))
 
 
-def commit() -> str:
-    where = Path(__file__).resolve().parents[1]
-    done = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="smollm2")
@@ -99,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     loaded = engines(args)
     arms = {f"{name} t{t}": (engine, t) for name, engine in loaded.items() for t in args.threads}
     tokenizer = loaded["default"].tokenizer
+    texts = load_prompts(args.prompts_file)[:args.prompts]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in load_prompts(args.prompts_file)[:args.prompts]]
+                                             tokenize=True, return_dict=False) for p in texts]
     for engine in loaded.values():  # warm-up: compiles, layouts, first allocations
         engine.run(prompt_ids=prompts[0], max_new_tokens=8)
     rates: dict[str, list[float]] = {name: [] for name in arms}
@@ -113,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
             acceptance = mean if name.startswith("default") else acceptance
             print(f"repeat {repeat}: {name}: {rate:.2f} tok/s", flush=True)
     reference = next(out for name, out in outputs.items() if not name.startswith("default"))
-    mismatches = sum(a != b for name, out in outputs.items() for a, b in zip(out, reference))
+    mismatches = sum(a != b for out in outputs.values() for a, b in zip(out, reference))
     medians = {name: statistics.median(r) for name, r in rates.items()}
     plain = max((n for n in medians if not n.startswith("default")), key=medians.get)
     default = max((n for n in medians if n.startswith("default")), key=medians.get)
-    row = {"commit": commit(), "date": time.strftime("%Y-%m-%d"), "pair": args.pair, "prompts": len(prompts),
-           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "medians_tok_s": medians,
+    revision = git_revision() or {"commit": "unknown", "dirty": None}
+    row = {"commit": revision["commit"], "dirty": revision["dirty"], "date": time.strftime("%Y-%m-%d"),
+           "pair": args.pair, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "repeats": args.repeats, "medians_tok_s": medians,
            "fastest_plain": plain, "fastest_default": default, "speed_up": medians[default] / medians[plain],
            "mean_acceptance_length": acceptance, "mismatches": mismatches}
     for name, value in medians.items():
