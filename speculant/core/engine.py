@@ -167,8 +167,9 @@ class Engine:
 
         Greedy, each request's output is the one :meth:`generate` gives it alone (the same
         settings: ``overrides`` as for :meth:`generate`); sampled, it follows the same distribution,
-        but a seed does not repeat the solo run's draws (a batch may verify other widths). Every prompt and setting is checked before
-        anything runs; the engine is held until the iterator is exhausted or closed."""
+        but a seed does not repeat the solo run's draws (a batch may verify other widths). Every
+        prompt and setting is checked before anything runs; the engine is held until the iterator
+        is exhausted or closed."""
         add_special = overrides.pop("add_special_tokens", True)
         self._check_idle()
         if (prompts is None) == (prompt_ids is None):

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from speculant.pairs.pull import PullError, WheelSource, pull, speculant_home
 
-__all__ = ["PAIRS", "DEFAULT_PAIR", "PAIR_ENV", "PairPaths", "default_pair", "PullError", "ensure_pair", "engine_config", "drafters",
-           "speculant_home"]
+__all__ = ["PAIRS", "DEFAULT_PAIR", "PAIR_ENV", "PairPaths", "default_pair", "PullError", "ensure_pair",
+           "engine_config", "drafters", "speculant_home"]
 
 PACKAGE_DIR = Path(__file__).parent
 DRAFTER_KINDS = ("dflash2", "dflash", "mtp")

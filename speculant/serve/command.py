@@ -13,7 +13,8 @@ from speculant.serve import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_PORT
 
 def add_parsers(sub: Any, parents: list, add_override_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     serve = sub.add_parser("serve", parents=parents, help="serve an OpenAI-compatible HTTP API (needs [serve])")
-    serve.add_argument("--config", metavar="FILE", help="engine config (.toml, .yaml, .json); default: the default pair (--pair)")
+    serve.add_argument("--config", metavar="FILE",
+                       help="engine config (.toml, .yaml, .json); default: the default pair (--pair)")
     serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--api-key", default=None, metavar="KEY",
