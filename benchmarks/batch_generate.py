@@ -19,11 +19,12 @@ the mean acceptance per request (spec and single), and how many
 requests' tokens differ from their single-stream run (spec and plain; printed loudly, must be 0).
 One warm-up of every arm before timing.
 
-    python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8]
+    python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8 | --pair NAME]
         [--concurrency 1,4,16,32] [--max-new-tokens 64] [--repeats 3] [--threads 1] [--out FILE.json]
 
-``--config`` takes an engine config file (default: the shipped pair, its default drafter, lookup
-and verifier); ``--mid H,L`` builds a random Qwen3 of hidden H x L layers with a planted DFlash
+``--config`` takes an engine config file (default: the shipped tiny pair, its default drafter, lookup
+and verifier); ``--pair smollm2`` the default pair as ``speculant generate`` runs it (prompt lookup
+alone until its drafters ship); ``--mid H,L`` builds a random Qwen3 of hidden H x L layers with a planted DFlash
 draft (benchmarks/fast_path.py's mid pair). ``--arms single --concurrency 1`` times ``engine.run``
 alone, which also runs against older checkouts (PYTHONPATH=<old tree>) to compare the batch of
 one with the loop before the scheduler (docs/batching.md says how).
@@ -88,7 +89,15 @@ def engine_config(args: argparse.Namespace, tmp: Path) -> dict:
         draft = build_tiny_dflash(tmp / "draft", target, seed=7, num_layers=2, block_size=16, scale=0.1)
         return {"backend": {"kind": args.backend or "torch", "dtype": "float32"}, "target": {"path": str(target)},
                 "drafter": {"kind": "dflash", "path": str(draft)}, "verifier": {"kind": "adaptive"}}
+    if args.pair:
+        from speculant.pairs import engine_config as pair_config
+
+        return pair_config(args.pair, backend=args.backend or "torch")
     return embedded.engine_config(backend=args.backend or "torch")
+
+
+def describe(args: argparse.Namespace) -> str:
+    return args.config or (f"mid {args.mid}" if args.mid else f"pair {args.pair}" if args.pair else "shipped pair")
 
 
 def run_arm(arm: str, engines: dict, prompts: list[str], c: int, n: int) -> tuple[float, float, list]:
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--config", metavar="FILE", help="engine config file; default: the shipped pair")
     source.add_argument("--mid", metavar="HIDDEN,LAYERS", help="a random planted Qwen3 pair of this size instead")
+    source.add_argument("--pair", metavar="NAME", help="a named pair (smollm2: the default pair), its default drafter")
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated request counts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -214,14 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         warm = prompts_for(2)
         for arm in arms:  # warm-up: every arm once, batched where it batches
             run_arm(arm, engines, warm, 2, 8)
-        print(f"{config['backend']['kind']} / {args.config or ('mid ' + args.mid if args.mid else 'shipped pair')}: "
+        print(f"{config['backend']['kind']} / {describe(args)}: "
               f"commit {commit()}, threads {args.threads}, {args.max_new_tokens} new tokens, {args.repeats} repeats, "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
         rows = []
         for c in levels:
             rows.append(measure(engines, arms, c, args))
             print_row(rows[-1])
-    report = {"backend": config["backend"]["kind"], "pair": args.config or (f"mid {args.mid}" if args.mid else "shipped"),
+    report = {"backend": config["backend"]["kind"], "pair": describe(args),
               "commit": commit(), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "load_average": os.getloadavg(), "rows": rows,
               "mismatches": sum(v for r in rows for k, v in r.items() if k.endswith("_mismatches"))}

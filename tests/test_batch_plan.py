@@ -70,7 +70,13 @@ def test_warm_up_exploration_and_a_new_requests_first_cycles():
     assert sorted(plan.limits([ROOM] * 3, [history(ROOM)] * 3)) == [0, 0, ROOM]  # one row explores
     plan.cycles = EXPLORE_EVERY + 1
     new = history(0, cycles=OWN_CYCLES - 1)
+    # padded: a young request drafts in full only inside a block the plan widened anyway, since
+    # widening it would widen every row's
+    assert plan.limits([ROOM, ROOM], [history(ROOM), new]) == [0, 0]
+    plan.padded = False  # flattened: its drafts cost only its own tokens
     assert plan.limits([ROOM, ROOM], [history(ROOM), new]) == [0, ROOM]
+    wide = measured(fixed=0.030, per_token=0.0001, draft=0.005)
+    assert wide.limits([ROOM, ROOM], [history(ROOM), new]) == [ROOM, ROOM]
 
 
 def test_a_padded_block_lets_every_row_draft_as_wide_as_the_widest():
