@@ -153,3 +153,24 @@ def test_explorations_thin_out_while_every_row_stays_plain():
     cheap.cycles = 600
     cheap.limits([ROOM] * 2, [history(ROOM)] * 2)
     assert cheap.explore_every == EXPLORE_EVERY
+
+
+def test_measured_points_close_together_are_not_extrapolated_flat():
+    """Cycles of 15 and 16 rows of one token each cost about the same: the line between them is
+    flat, yet 16 rows of 8 tokens cost 4x as much (SmolLM2 on a CPU). Past a narrow range the plan
+    prices tokens in proportion, and so keeps rows plain until a wide cycle is measured."""
+    plan = BatchPlan()
+    for _ in range(8):
+        plan.observe(15, 15, 0.147)
+        plan.observe(16, 16, 0.142)
+    plan.cycles = WARM_UP + 1
+    assert plan.seconds(16, 128) == pytest.approx(0.147 * 8)
+    assert plan.limits([ROOM] * 16, [history(ROOM)] * 16) == [0] * 16
+    plan.observe(16, 128, 0.6)  # a wide cycle measured: read as measured
+    assert plan.seconds(16, 128) == pytest.approx(0.6)
+
+
+def test_an_exploration_picks_a_row_that_has_something_to_draft():
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    for plan.cycles in (EXPLORE_EVERY, 2 * EXPLORE_EVERY):
+        assert plan.limits([0, 0, ROOM], [history(ROOM)] * 3) == [0, 0, ROOM]

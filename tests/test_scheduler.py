@@ -135,6 +135,23 @@ def test_a_request_running_alone_moves_into_the_batch(pairs, backend):  # noqa: 
     assert 0 < first.loop.stats.batched_cycles < first.loop.stats.verify_steps
 
 
+def test_a_lookup_row_without_a_copy_is_planned_as_a_plain_step(pairs):  # noqa: F811
+    """Prompt lookup on its own drafts only where the context repeats: the plan is told so (a row
+    without a copy has no room), else it prices gains that no copy will bring (on SmolLM2 at 32
+    requests the padded blocks it widened for them ran at half plain batched speed)."""
+    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(pairs["dflash"][0])},
+                          "drafter": {"kind": "none", "lookup": True}})
+    rooms, limits = [], engine.batch_plan.limits
+    engine.batch_plan.limits = lambda room, stats: rooms.append(list(room)) or limits(room, stats)
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(30, 50))]
+    want = solo(engine, prompts, new=16)
+    results = engine.run_many(prompt_ids=prompts, max_new_tokens=16, ignore_eos=True, max_batch=2)
+    assert [r.token_ids for r in results] == want
+    # neither prompt's end has occurred before; then the first falls into a loop (copies) while
+    # the second has none yet
+    assert rooms[0] == [0, 0] and [7, 0] in rooms
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_cancelled_request_frees_its_slot_and_changes_nobody(family, plain_tokens, backend):
     plain = plain_tokens("llama", backend)

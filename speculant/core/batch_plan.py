@@ -152,7 +152,8 @@ class BatchPlan:
         explorations, each costs a padded block for one row's sake: they come half as often."""
         self.explore_every = EXPLORE_EVERY if self._drafted_since else min(2 * self.explore_every, EXPLORE_MOST)
         self._explore_at, self._drafted_since = self.cycles + self.explore_every, False
-        row, self._explored = self._explored % len(rooms), self._explored + 1
+        able = [i for i, room in enumerate(rooms) if room]  # rows with something to draft
+        row, self._explored = able[self._explored % len(able)], self._explored + 1
         return [room if i == row else 0 for i, room in enumerate(rooms)]
 
     def drafting_pays(self, rows: int, room: int, live: Sequence[GenerationStats] = ()) -> bool:
@@ -247,8 +248,11 @@ def _padded(values, n: int) -> np.ndarray:
 
 def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
     """``y(x)`` read off measured ``(x, y)`` points (at least two distinct ``x``): the median at each
-    ``x``, made non-decreasing, interpolated between them, extended along the last segment past
-    them and along the first before them (never below the first point's ``y`` per unit of ``x``)."""
+    ``x``, made non-decreasing, interpolated between them, extended before them along the first
+    segment (never below the first point's ``y`` per unit of ``x``) and past them along the line
+    from the last point back to one at most half its ``x``; where none is that far back, in
+    proportion to the last point (a slope read off nearby points is noise: 15 and 16 rows of one
+    token each once priced 128 tokens like 16)."""
     xs = sorted({px for px, _ in points})
     ys = np.maximum.accumulate([float(np.median([py for px, py in points if px == at])) for at in xs])
     if len(xs) < 2:
@@ -258,5 +262,6 @@ def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
         return float(max(ys[0] - slope * (xs[0] - x), ys[0] * x / xs[0]))
     if x <= xs[-1]:
         return float(np.interp(x, xs, ys))
-    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-    return float(ys[-1] + slope * (x - xs[-1]))
+    back = [i for i, at in enumerate(xs) if at <= xs[-1] / 2]
+    slope = (ys[-1] - ys[back[-1]]) / (xs[-1] - xs[back[-1]]) if back else ys[-1] / xs[-1]
+    return float(ys[-1] + max(slope, 0.0) * (x - xs[-1]))

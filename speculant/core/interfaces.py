@@ -258,6 +258,12 @@ class Drafter(ABC):
         verifier is asked whether drafting pays; None (the default) when there is none."""
         return None
 
+    @property
+    def only_free(self) -> bool:
+        """True when :meth:`propose_free` is all this drafter proposes (prompt lookup on its own):
+        a cycle it has no free proposal for is a plain step."""
+        return False
+
     def propose_beside(self, request: DraftRequest, copy: Draft) -> Draft | None:
         """The drafter's own proposal for ``request`` carrying the free ``copy`` as ``branch_ids``,
         for a verifier about to build a tree (the copy becomes one of its paths); None (the

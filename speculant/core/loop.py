@@ -294,6 +294,16 @@ class Loop:
         self.position += len(new)
         return new, position + accepted + 1
 
+    def room_now(self) -> int:
+        """Drafts this cycle could verify, for the batch plan: the room left, or, for a drafter that
+        only copies, its copy's length (0 where the context offers none: drafting would gain nothing)."""
+        k = max(0, self._room(self.position)) if self.speculating else 0
+        if k and self.drafter.only_free:
+            free = self.drafter.propose_free(DraftRequest(self.produced[-1], self.position, k, self.sampling,
+                                                          self.draft_rng))
+            k = 0 if free is None else free.num_tokens
+        return k
+
     def _room(self, position: int, produced: int | None = None) -> int:
         """Most proposals this cycle may verify: the block, what is left to generate, the window."""
         produced = len(self.produced) if produced is None else produced

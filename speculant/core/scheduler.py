@@ -254,7 +254,7 @@ class Scheduler:
         if self.e.drafter is None:
             return [None] * len(live)
         loops = [request.loop for request in live]
-        rooms = [max(0, loop._room(loop.position)) if loop.speculating else 0 for loop in loops]
+        rooms = [loop.room_now() for loop in loops]
         limits = self.plan.limits(rooms, [loop.stats for loop in loops])
         for loop, room, most in zip(loops, rooms, limits):
             loop.plain_streak = loop.plain_streak + 1 if room and not most else 0

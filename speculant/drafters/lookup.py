@@ -52,6 +52,10 @@ class LookupProposer(Drafter):
         if self.inner is not None:
             self.inner.prefill(prompt_ids, output, first_token_id)
 
+    @property
+    def only_free(self) -> bool:
+        return self.inner is None
+
     def propose_free(self, request: DraftRequest) -> Draft | None:
         key = (len(self.index.history), request.num_tokens)
         if key == self._missed:
