@@ -1,8 +1,13 @@
-"""speculant serve vs the library on the shipped pair: TTFT and decode tok/s seen by a streaming
-client against the same engine called in-process, then throughput and p50/p95 latency at 1, 4
-and 16 concurrent clients.
+"""speculant serve vs the library on a pair: TTFT and decode tok/s seen by a streaming client
+against the same engine called in-process, then throughput and p50/p95 latency at 1, 4 and 16
+concurrent clients (each level sends 16 requests in all).
 
     python benchmarks/serve_overhead.py [--repeats 3] [--max-new-tokens 64] [--threads 2]
+        [--pair tiny|smollm2] [--max-batch N] [--clients 1,4,16] [--no-overhead] [--out FILE]
+
+``--pair`` (default: the shipped tiny pair, which docs/serve.md's figures used) is passed to the
+server and loads the library engine alike. ``--max-batch 1`` serves one request at a time (the
+server before batching), to compare with the batched default.
 
 The server is a ``speculant serve`` process of its own (as users run it), the library engine
 lives in this process; their runs alternate, each engine seeing the same sequence of requests
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Point:\n    def __init__(self, x, y):\n",
            "for i in range(10):\n"]
@@ -83,7 +89,7 @@ def overhead(engine, url: str, repeats: int, n: int) -> None:
           f"decode {(sr / lr - 1) * 100:+.1f} %")
 
 
-def load(url: str, clients: int, per_client: int, n: int) -> None:
+def load(url: str, clients: int, per_client: int, n: int) -> dict:
     import httpx
 
     def session(c: int) -> list[tuple[float, int]]:
@@ -102,8 +108,11 @@ def load(url: str, clients: int, per_client: int, n: int) -> None:
     wall = time.perf_counter() - t0
     latencies = sorted(r[0] for r in results)
     p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]
-    print(f"{clients:3} clients: {sum(r[1] for r in results) / wall:7.1f} tok/s, {len(results) / wall:5.2f} req/s, "
-          f"latency p50 {statistics.median(latencies):6.2f} s, p95 {p95:6.2f} s")
+    row = {"clients": clients, "tok_s": sum(r[1] for r in results) / wall, "req_s": len(results) / wall,
+           "p50_s": statistics.median(latencies), "p95_s": p95}
+    print(f"{clients:3} clients: {row['tok_s']:7.1f} tok/s, {row['req_s']:5.2f} req/s, "
+          f"latency p50 {row['p50_s']:6.2f} s, p95 {p95:6.2f} s", flush=True)
+    return row
 
 
 def main() -> None:
@@ -112,32 +121,39 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: its own)")
+    parser.add_argument("--pair", default="tiny", help="the pair served and loaded (default: tiny)")
+    parser.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the library-vs-server comparison")
+    parser.add_argument("--out", metavar="FILE", help="write the load rows as JSON here")
     args = parser.parse_args()
+    levels = [int(c) for c in args.clients.split(",") if c]
     # Two processes on the same cores: OpenMP threads that spin after a forward would steal the
     # other process's time, so both wait passively.
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     import torch
 
-    from speculant import embedded
     from speculant.api import load_engine
+    from speculant.pairs import engine_config
 
     torch.set_num_threads(args.threads)
-    engine = load_engine(embedded.engine_config(backend="torch"))
-    with server_process(args.threads, args.max_batch) as url:
-        overhead(engine, url, args.repeats, args.max_new_tokens)
-        for clients in (1, 4, 16):
-            load(url, clients, max(1, 16 // clients), args.max_new_tokens)
+    with server_process(args.threads, args.max_batch, args.pair) as url:
+        if not args.no_overhead:
+            overhead(load_engine(engine_config(args.pair, backend="torch")), url, args.repeats, args.max_new_tokens)
+        rows = [load(url, clients, max(1, 16 // clients), args.max_new_tokens) for clients in levels]
+    if args.out:
+        Path(args.out).write_text(json.dumps({"pair": args.pair, "max_batch": args.max_batch, "threads": args.threads,
+                                              "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=1))
 
 
 @contextlib.contextmanager
-def server_process(threads: int, max_batch: int | None = None):
+def server_process(threads: int, max_batch: int | None = None, pair: str = "tiny"):
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--port", str(port), "--backend", "torch",
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--port", str(port), "--backend", "torch", "--pair", pair,
                              "--max-queue", "64", *([] if max_batch is None else ["--max-batch", str(max_batch)])],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

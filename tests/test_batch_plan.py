@@ -170,7 +170,10 @@ def test_measured_points_close_together_are_not_extrapolated_flat():
     assert plan.seconds(16, 128) == pytest.approx(0.6)
 
 
-def test_an_exploration_picks_a_row_that_has_something_to_draft():
+def test_an_exploration_drafts_on_a_row_with_something_to_draft_and_widens_little():
     plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
     for plan.cycles in (EXPLORE_EVERY, 2 * EXPLORE_EVERY):
         assert plan.limits([0, 0, ROOM], [history(ROOM)] * 3) == [0, 0, ROOM]
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    plan.cycles = EXPLORE_EVERY  # 32 padded rows: one draft widens the block by 32 tokens
+    assert sorted(plan.limits([ROOM] * 32, [history(ROOM)] * 32)) == [0] * 31 + [1]

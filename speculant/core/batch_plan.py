@@ -25,6 +25,7 @@ from speculant.core.metrics import GenerationStats
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
 EXPLORE_EVERY = 64  # every this many cycles one row drafts its full width (and joins, one starts its drafter)
 EXPLORE_MOST = 1024  # the explorations' spacing doubles up to this while the plan keeps every row plain
+EXPLORE_TOKENS = 32  # an exploration's drafts widen the padded block by at most this many tokens in all
 OWN_CYCLES = 2  # a request's first drafting cycles are in full (padded: up to the block's width), to measure it
 STEADY = 3  # draft calls over one row count before that count's median is read as its cost
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
@@ -148,13 +149,16 @@ class BatchPlan:
         return min(room, max(limits)) if self.padded else room
 
     def _explore(self, rooms: Sequence[int]) -> list[int]:
-        """One row (in turn) drafts its full width. While the plan keeps every row plain between
-        explorations, each costs a padded block for one row's sake: they come half as often."""
+        """One row (in turn) drafts its full width, padded only as far as ``EXPLORE_TOKENS`` more
+        tokens in all (32 rows of 8 for one row's sake cost 4x a plain cycle of SmolLM2 on a CPU;
+        of 2, 2x). While the plan keeps every row plain between explorations, each costs a padded
+        block for one row's sake: they come half as often."""
         self.explore_every = EXPLORE_EVERY if self._drafted_since else min(2 * self.explore_every, EXPLORE_MOST)
         self._explore_at, self._drafted_since = self.cycles + self.explore_every, False
         able = [i for i, room in enumerate(rooms) if room]  # rows with something to draft
         row, self._explored = able[self._explored % len(able)], self._explored + 1
-        return [room if i == row else 0 for i, room in enumerate(rooms)]
+        most = max(1, EXPLORE_TOKENS // len(rooms)) if self.padded else rooms[row]
+        return [min(room, most) if i == row else 0 for i, room in enumerate(rooms)]
 
     def drafting_pays(self, rows: int, room: int, live: Sequence[GenerationStats] = ()) -> bool:
         """Whether a request joining ``rows`` others (``live``: their stats), with the pooled
