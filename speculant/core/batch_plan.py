@@ -23,7 +23,7 @@ import numpy as np
 from speculant.core.metrics import GenerationStats
 
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
-EXPLORE_EVERY = 64  # every this many cycles one row drafts its full width (and joins, one starts its drafter)
+EXPLORE_EVERY = 64  # every this many cycles one row drafts (and joins, one starts its drafter)
 EXPLORE_MOST = 1024  # the explorations' spacing doubles up to this while the plan keeps every row plain
 EXPLORE_TOKENS = 32  # an exploration's drafts widen the padded block by at most this many tokens in all
 OWN_CYCLES = 2  # a request's first drafting cycles are in full (padded: up to the block's width), to measure it
