@@ -253,16 +253,12 @@ class Drafter(ABC):
         """What the draft's forwards run as (compiled, packed or transposed weights), or why eager."""
         return "eager"
 
+    only_free = False  # True: propose_free is all it proposes (prompt lookup alone); without one, a plain step
+
     def propose_free(self, request: DraftRequest) -> Draft | None:
         """A proposal that costs no forward (a copy out of the context), tried every cycle before the
         verifier is asked whether drafting pays; None (the default) when there is none."""
         return None
-
-    @property
-    def only_free(self) -> bool:
-        """True when :meth:`propose_free` is all this drafter proposes (prompt lookup on its own):
-        a cycle it has no free proposal for is a plain step."""
-        return False
 
     def propose_beside(self, request: DraftRequest, copy: Draft) -> Draft | None:
         """The drafter's own proposal for ``request`` carrying the free ``copy`` as ``branch_ids``,

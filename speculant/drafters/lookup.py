@@ -25,6 +25,7 @@ class LookupProposer(Drafter):
 
     def __init__(self, inner: Drafter | None, config: LookupConfig, backend: Backend) -> None:
         self.inner = inner
+        self.only_free = inner is None
         self.backend = backend
         self.config = config
         self.index = PromptLookup(config.min_match, config.max_match)
@@ -51,10 +52,6 @@ class LookupProposer(Drafter):
         self._missed = None
         if self.inner is not None:
             self.inner.prefill(prompt_ids, output, first_token_id)
-
-    @property
-    def only_free(self) -> bool:
-        return self.inner is None
 
     def propose_free(self, request: DraftRequest) -> Draft | None:
         key = (len(self.index.history), request.num_tokens)
