@@ -32,7 +32,9 @@ class LookupProposer(Drafter):
         self.info = inner.info if inner is not None else DrafterInfo(
             kind="lookup", default_block_size=DEFAULT_BLOCK_SIZE, uses_target_embedding=False,
             uses_target_lm_head=False)
-        self._missed: tuple[int, int] | None = None  # (history length, k) of the last failed match
+        # (history length, copy or None) of the last lookup: the batch plan and the proposal ask
+        # twice a cycle, and a copy's first k' tokens are the copy for k' (a miss misses for any k)
+        self._last: tuple[int, list[int] | None] | None = None
 
     @property
     def fast_path(self) -> str:
@@ -44,22 +46,26 @@ class LookupProposer(Drafter):
         other = copy.copy(self)
         other.inner = None if self.inner is None else self.inner.fork()
         other.index = PromptLookup(self.config.min_match, self.config.max_match)
-        other._missed = None
+        other._last = None
         return other
 
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         self.index.reset([*prompt_ids, first_token_id])
-        self._missed = None
+        self._last = None
         if self.inner is not None:
             self.inner.prefill(prompt_ids, output, first_token_id)
 
     def propose_free(self, request: DraftRequest) -> Draft | None:
-        key = (len(self.index.history), request.num_tokens)
-        if key == self._missed:
+        n, k = len(self.index.history), request.num_tokens
+        if k < 1:
             return None
-        copied = self.index.propose(request.num_tokens)
+        last = self._last
+        if last is not None and last[0] == n and (last[1] is None or k <= len(last[1])):
+            copied = None if last[1] is None else last[1][:k]
+        else:
+            copied = self.index.propose(k)
+            self._last = (n, copied)
         if copied is None:
-            self._missed = key
             return None
         return Draft(self.backend.int_array(copied), len(copied), source=DraftSource.LOOKUP)
 
