@@ -17,6 +17,9 @@ class MLXBackend(Backend):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        from speculant.backends.mlx import blas
+
+        self.blas = blas.preload()
         import mlx.core as mx
 
         from speculant.backends.mlx.ops import MLXOps
@@ -40,7 +43,10 @@ class MLXBackend(Backend):
             if not found:
                 return (f"the mlx backend needs the {module} package, which is not installed "
                         "(Apple Silicon: pip install mlx mlx-lm; Linux: pip install 'mlx[cpu]' mlx-lm)")
+        from speculant.backends.mlx import blas
+
         try:
+            blas.preload()
             import mlx.core  # noqa: F401  (the CPU/Metal library itself must load)
         except Exception as exc:  # pragma: no cover - broken install
             return f"mlx is installed but cannot be imported: {type(exc).__name__}: {exc}"

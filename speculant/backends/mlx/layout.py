@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from speculant.backends.mlx import blas
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core import timing
 
@@ -136,7 +137,7 @@ def transpose_linears(model: nn.Module, measure: bool = False) -> tuple[int, str
 
 def library_key(layers: list[nn.Module]) -> dict:
     """What a layout's timing depends on here besides the CPU (core/timing.py remembers it)."""
-    return {"mlx": mx.__version__, "device": str(mx.default_device()),
+    return {"mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas.in_use(),
             "shapes": [[*layer.weight.shape, str(layer.weight.dtype)] for layer in layers]}
 
 

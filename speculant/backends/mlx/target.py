@@ -134,6 +134,8 @@ class MLXTarget(TargetModel):
         weights = self._transpose_weights(setting)
         self._head = _output_head(model, self._inner)
         self._fast_path = compiled.apply(self._inner.layers, setting, backend.device, weights, self._compile_whole)
+        if backend.device == "cpu" and getattr(backend, "blas", None):
+            self._fast_path += f"; {backend.blas}"
 
     @classmethod
     def load(cls, path: str, info: TargetInfo, backend) -> "MLXTarget":
