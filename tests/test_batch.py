@@ -74,12 +74,14 @@ def drafts_for(pattern: str, truth: list[int], cycle: int, vocab: int) -> list[i
     return drafts
 
 
-def batched_greedy(batch, solo: dict, check=None) -> tuple[dict, dict]:
+def batched_greedy(batch, solo: dict, check=None, together: bool = False) -> tuple[dict, dict]:
     """Run every sequence of SEQUENCES through ``batch`` with greedy acceptance; returns each one's
     tokens and how many drafts it had accepted each cycle. ``check(key, context, block, out)``
-    sees each verified row: the sequence's tokens so far (not the anchor), its block, its output."""
+    sees each verified row: the sequence's tokens so far (not the anchor), its block, its output.
+    ``together``: sequences with their tokens wait (decoding on) until two can leave at once."""
     emitted = {key: [] for key in SEQUENCES}
     accepted = {key: [] for key in SEQUENCES}
+    left_together: list[int] = []
     cycle = 0
     while batch.keys or cycle <= max(joins_at for _, joins_at, _ in SEQUENCES.values()):
         for key, (prompt, joins_at, _) in SEQUENCES.items():
@@ -109,10 +111,15 @@ def batched_greedy(batch, solo: dict, check=None) -> tuple[dict, dict]:
             emitted[key].extend(block[1: 1 + taken] + [choices[taken]])
             lengths.append(before + 1 + taken)
         batch.crop(lengths)
-        for key in list(batch.keys):
-            if len(emitted[key]) >= NEW:
+        ended = [key for key in batch.keys if len(emitted[key]) >= NEW]
+        if not together:
+            for key in ended:
                 batch.leave(key)
+        elif len(ended) >= min(2, len(batch.keys)):
+            left_together.append(len(ended))
+            batch.leave_many(ended)
         cycle += 1
+    assert not together or max(left_together) >= 2, left_together
     return {key: tokens[:NEW] for key, tokens in emitted.items()}, accepted
 
 
@@ -150,6 +157,22 @@ def test_the_flattened_layout_equals_each_solo_run(targets, name, compact_at, mo
     solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
     monkeypatch.setattr(TorchFlatBatch, "compact_at", compact_at)
     assert_each_equals_its_solo_run(engine.target.new_batch("flat"), solo)
+
+
+@pytest.mark.parametrize("layout", ["padded", pytest.param("mlx", marks=pytest.mark.mlx), "flat"])
+@pytest.mark.parametrize(("name", "compact_at"), [("qwen3", 0.0), ("qwen3", 1.0), ("gemma3_text", 0.25), ("qwen3_5", 0.25)])
+def test_sequences_leaving_together_leave_the_others_as_they_were(targets, name, compact_at, layout, monkeypatch):
+    """``leave_many``: the rows of several sequences dropped at once (one copy of the caches),
+    compacted or not; those left go on as before, on each cache kind."""
+    if layout == "flat" and name in HYBRIDS:
+        pytest.skip("the flattened layout holds no Gated DeltaNet rows")
+    engine = engine_for(targets(name), "mlx" if layout == "mlx" else "torch")
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
+    batch = engine.target.new_batch("flat") if layout == "flat" else batch_class(layout)(engine.target)
+    monkeypatch.setattr(type(batch), "compact_at", compact_at)
+    monkeypatch.setattr(batch.book, "compact_at", compact_at)
+    got, _ = batched_greedy(batch, solo, together=True)
+    assert got == solo
 
 
 def test_the_flattened_layout_refuses_gated_deltanet_layers(targets):

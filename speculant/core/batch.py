@@ -95,21 +95,26 @@ class BatchedTarget(ABC):
 
     def leave(self, key: Hashable) -> None:
         """Drop sequence ``key`` and its cache rows. Only between cycles."""
+        self.leave_many([key])
+
+    def leave_many(self, keys: Sequence[Hashable]) -> None:
+        """Drop the sequences ``keys`` and their cache rows at once (one copy of the caches, not
+        one per sequence: a batch whose requests end together). Only between cycles."""
         self._between_cycles("leave")
-        row = self.keys.index(key)
-        del self.keys[row]
+        rows = sorted({self.keys.index(key) for key in keys})
+        self.keys = [key for row, key in enumerate(self.keys) if row not in rows]
         if not self.keys:
             self._empty()
-            return
-        self._drop_row(row)
+        elif rows:
+            self._drop_rows(rows)
 
     @abstractmethod
     def _empty(self) -> None:
         """Start over with no sequence: empty caches and bookkeeping."""
 
     @abstractmethod
-    def _drop_row(self, row: int) -> None:
-        """Drop row ``row``'s cache and bookkeeping (``keys`` no longer has it; some rows remain)."""
+    def _drop_rows(self, rows: list[int]) -> None:
+        """Drop rows ``rows``' caches and bookkeeping (``keys`` no longer has them; some rows remain)."""
 
     def _between_cycles(self, what: str) -> None:
         if self.book.block is not None:
@@ -170,9 +175,14 @@ class RowBook:
         columns = np.flatnonzero(self.valid[row])
         return columns[np.argsort(self.positions[row, columns], kind="stable")]
 
-    def drop_row(self, row: int) -> None:
-        self.valid = np.delete(self.valid, row, axis=0)
-        self.positions = np.delete(self.positions, row, axis=0)
+    def drop_rows(self, rows: Sequence[int]) -> None:
+        self.valid = np.delete(self.valid, rows, axis=0)
+        self.positions = np.delete(self.positions, rows, axis=0)
+
+    def wants_compaction(self) -> bool:
+        """Whether compacting would drop ``compact_at`` of the columns (a compaction keeps as many
+        columns as the longest row holds; the unused tail of a shorter row stays, so it does not count)."""
+        return self.columns - int(self.lengths.max(initial=0)) > self.compact_at * self.columns
 
     def open_block(self, widths: Sequence[int]) -> np.ndarray:
         """Append a block of ``widths[r]`` positions to each row; the positions ``[rows, widest]``."""
@@ -191,15 +201,14 @@ class RowBook:
         return visible_columns(query, self.positions, self.valid, window)
 
     def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
-        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now:
-        when compacting would drop ``compact_at`` of the columns (a compaction keeps as many columns
-        as the longest row holds; the unused tail of a shorter row stays, so it does not count)."""
+        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now
+        (:meth:`wants_compaction`)."""
         before, widths = _closed_block(self.block, lengths, names)
         start = self.columns - max(widths)  # the block's first column
         for row, (length, first) in enumerate(zip(lengths, before.tolist())):
             self.valid[row, start + length - first:] = False
         self.block = None
-        return self.columns - int(self.lengths.max(initial=0)) > self.compact_at * self.columns
+        return self.wants_compaction()
 
     def compaction(self) -> np.ndarray:
         """Apply a compaction here and return its gather ``[rows, longest]`` of column indices,
@@ -249,11 +258,16 @@ class FlatBook:
         self._append(np.full(length, self.rows), np.arange(length), np.ones(length, dtype=bool))
         self.rows += 1
 
-    def drop_row(self, row: int) -> None:
-        gone = self.owner == row
+    def drop_rows(self, rows: Sequence[int]) -> None:
+        gone = np.isin(self.owner, rows)
         self.valid[gone] = False
-        self.owner = np.where(gone, -1, np.where(self.owner > row, self.owner - 1, self.owner))
-        self.rows -= 1
+        shift = np.searchsorted(np.asarray(rows), self.owner)  # the dropped rows before each owner
+        self.owner = np.where(gone, -1, self.owner - shift)
+        self.rows -= len(rows)
+
+    def wants_compaction(self) -> bool:
+        """Whether compacting would drop ``compact_at`` of the columns."""
+        return self.columns - int(self.valid.sum()) > self.compact_at * self.columns
 
     def open_block(self, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Append every row's block end to end; each token's position and owner ``[sum(widths)]``."""
@@ -280,7 +294,7 @@ class FlatBook:
             self.valid[start + length - first:start + width] = False
             start += width
         self.block = None
-        return self.columns - int(self.valid.sum()) > self.compact_at * self.columns
+        return self.wants_compaction()
 
     def compaction(self) -> np.ndarray:
         """Apply a compaction here and return the held columns' indices, in order (the gather)."""

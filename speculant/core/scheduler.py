@@ -282,24 +282,31 @@ class Scheduler:
         loop.out_of_batch()
 
     def _leave_ended(self) -> Iterator[tuple[Request, Chunk]]:
-        for request in [r for r in self.live if r.loop.ended]:
-            yield from self._end(request)
+        ended = [r for r in self.live if r.loop.ended]
+        if ended:
+            yield from self._end(*ended)
 
-    def _end(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
-        """``request`` leaves: its row, drafter and verifier state are freed, its last chunk made."""
-        self.live.remove(request)
-        final = request.final()  # stores the request's state in the prefix store, from its row if it has one
-        if self.rows is not None and request.key in self.rows.keys:
-            self.rows.leave(request.key)
-        if self.rows is not None and not self.rows.keys:
-            self.rows = None  # the next request alone runs on the target's own cache again
-        loop = request.loop
-        if loop.batched:
-            self.plan.pool(loop.stats)
-        self._verifiers.append(loop.verifier)
-        if loop.drafter is not None:
-            self._drafters.append(loop.drafter)
-        yield request, final
+    def _end(self, *requests: Request) -> Iterator[tuple[Request, Chunk]]:
+        """``requests`` leave: their rows (in one copy of the batch's caches), drafters and
+        verifier states are freed, their last chunks made."""
+        finals = []
+        for request in requests:
+            self.live.remove(request)
+            finals.append(request.final())  # stores the request's state in the prefix store, from its row if it has one
+        if self.rows is not None:
+            leaving = [request.key for request in requests if request.key in self.rows.keys]
+            if leaving:
+                self.rows.leave_many(leaving)
+            if not self.rows.keys:
+                self.rows = None  # the next request alone runs on the target's own cache again
+        for request, final in zip(requests, finals):
+            loop = request.loop
+            if loop.batched:
+                self.plan.pool(loop.stats)
+            self._verifiers.append(loop.verifier)
+            if loop.drafter is not None:
+                self._drafters.append(loop.drafter)
+            yield request, final
 
     def _capture(self) -> Capture:
         speculating = any(r.loop.speculating for r in self.live)

@@ -124,14 +124,15 @@ class MLXBatch(BatchedTarget):
     def snapshot(self, key: Hashable) -> CacheSnapshot | None:
         return rows.snapshot(self, self.keys.index(key))
 
-    def _drop_row(self, row: int) -> None:
-        kept = mx.array([i for i in range(len(self.keys) + 1) if i != row])
+    def _drop_rows(self, rows: list[int]) -> None:
+        kept = mx.array([i for i in range(len(self.keys) + len(rows)) if i not in rows])
         for layer in _attention(self.layers):
             layer.gather(kept, axis=0)
         for layer in _deltas(self.layers):
             layer.filter(kept)
-        self.book.drop_row(row)
-        self._compact()  # the trailing columns only the row that left used
+        self.book.drop_rows(rows)
+        if self.book.wants_compaction():  # the trailing columns only the rows that left used
+            self._compact()
 
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
         self._between_cycles("verify")

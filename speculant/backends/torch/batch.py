@@ -105,15 +105,16 @@ class TorchBatch(BatchedTarget):
         return rows.snapshot(self, self.keys.index(key))
 
     @torch.inference_mode()
-    def _drop_row(self, row: int) -> None:
-        kept = torch.tensor([i for i in range(len(self.keys) + 1) if i != row], device=self._device)
+    def _drop_rows(self, rows: list[int]) -> None:
+        kept = torch.tensor([i for i in range(len(self.keys) + len(rows)) if i not in rows], device=self._device)
         for layer in _attention_layers(self.cache):
             layer.keys, layer.values = layer.keys.index_select(0, kept), layer.values.index_select(0, kept)
         for layer in _linear_layers(self.cache):
             layer.conv_states[0] = layer.conv_states[0].index_select(0, kept)
             layer.recurrent_states[0] = layer.recurrent_states[0].index_select(0, kept)
-        self.book.drop_row(row)
-        self._compact()  # the trailing columns only the row that left used
+        self.book.drop_rows(rows)
+        if self.book.wants_compaction():  # the trailing columns only the rows that left used
+            self._compact()
 
     @torch.inference_mode()
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:

@@ -42,9 +42,10 @@ class TorchFlatBatch(TorchBatch):
         return None
 
     @torch.inference_mode()
-    def _drop_row(self, row: int) -> None:
-        self.book.drop_row(row)
-        self._compact()
+    def _drop_rows(self, rows: list[int]) -> None:
+        self.book.drop_rows(rows)
+        if self.book.wants_compaction():
+            self._compact()
 
     @torch.inference_mode()
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
