@@ -179,18 +179,19 @@ class BatchPlan:
         each widest block is tried, with the rows worth most drafting in it, one more at a time."""
         rows = len(gains)
         best, best_rate = [0] * rows, rows / self.seconds(rows, rows)
-        for width in range(2, max((g.size for g in gains), default=0) + 2):
-            forward = self.seconds(rows, rows * width)
-            depth = [min(g.size, width - 1) for g in gains]
-            worth = sorted((float(g[d - 1]), i) for i, (g, d) in enumerate(zip(gains, depth)) if d)[::-1]
-            tokens = float(rows)
-            for k, (gain, _) in enumerate(worth, 1):
-                tokens += gain
-                rate = tokens / (forward + self.draft_seconds(k))
-                if rate > best_rate:
-                    best, best_rate = [0] * rows, rate
-                    for _, i in worth[:k]:
-                        best[i] = depth[i]
+        sizes = np.array([g.size for g in gains], dtype=int)
+        drafting = np.array([self.draft_seconds(k) for k in range(1, int(np.count_nonzero(sizes)) + 1)])
+        for width in range(2, int(sizes.max(initial=0)) + 2):
+            depth = np.minimum(sizes, width - 1)
+            able = np.flatnonzero(depth)
+            gain = np.array([gains[i][depth[i] - 1] for i in able], dtype=float)
+            order = np.lexsort((-able, -gain))  # worth most first (ties: the later row first)
+            rates = (rows + np.cumsum(gain[order])) / (self.seconds(rows, rows * width) + drafting[:able.size])
+            k = int(np.argmax(rates))
+            if rates[k] > best_rate:
+                best, best_rate = [0] * rows, float(rates[k])
+                for i in able[order[:k + 1]]:
+                    best[i] = int(depth[i])
         return best
 
     def _ragged_widths(self, gains: list[np.ndarray], fixed: float, per_token: float) -> list[int]:
