@@ -113,12 +113,15 @@ class BatchPlan:
         """A forward's seconds over ``tokens`` computed tokens: interpolated between the measured
         ones (rarely a straight line: wider matrix products run faster per token), extended
         along the last segment past them; the fitted line while fewer than two are known."""
-        same = [(t, s) for r, t, s in self.samples if r == rows]
-        data = same if len({t for t, _ in same}) >= 2 else [(t, s) for _, t, s in self.samples]
-        if len({t for t, _ in data}) < 2:
+        key = ("curve", rows)  # one curve a cycle: the plan reads it at every width it tries
+        if key not in self._memo:
+            same = [(t, s) for r, t, s in self.samples if r == rows]
+            data = same if len({t for t, _ in same}) >= 2 else [(t, s) for _, t, s in self.samples]
+            self._memo[key] = _curve(data) if len({t for t, _ in data}) >= 2 else None
+        if self._memo[key] is None:
             fixed, per_token = self.cost(rows)
             return fixed + per_token * tokens
-        return _interpolated(data, tokens)
+        return _read(*self._memo[key], tokens)
 
     # -- the plan ----------------------------------------------------------------------------------
     def limits(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> list[int]:
@@ -252,14 +255,23 @@ def _padded(values, n: int) -> np.ndarray:
 
 
 def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
-    """``y(x)`` read off measured ``(x, y)`` points (at least two distinct ``x``): the median at each
-    ``x``, made non-decreasing, interpolated between them, extended before them along the first
-    segment (never below the first point's ``y`` per unit of ``x``) and past them along the line
-    from the last point back to one at most half its ``x``; where none is that far back, in
-    proportion to the last point (a slope read off nearby points is noise: 15 and 16 rows of one
-    token each once priced 128 tokens like 16)."""
+    """``y(x)`` read off measured ``(x, y)`` points (at least two distinct ``x``): see :func:`_read`."""
+    return _read(*_curve(points), x)
+
+
+def _curve(points: Sequence[tuple[float, float]]) -> tuple[list[float], np.ndarray]:
+    """The distinct ``x`` of ``points`` in order and the median ``y`` at each, made non-decreasing."""
     xs = sorted({px for px, _ in points})
     ys = np.maximum.accumulate([float(np.median([py for px, py in points if px == at])) for at in xs])
+    return xs, ys
+
+
+def _read(xs: list[float], ys: np.ndarray, x: float) -> float:
+    """``y(x)`` on the curve: interpolated between its points, extended before them along the
+    first segment (never below the first point's ``y`` per unit of ``x``) and past them along the
+    line from the last point back to one at most half its ``x``; where none is that far back, in
+    proportion to the last point (a slope read off nearby points is noise: 15 and 16 rows of one
+    token each once priced 128 tokens like 16)."""
     if len(xs) < 2:
         return float(ys[0] * x / xs[0]) if xs[0] else float(ys[0])
     if x < xs[0]:
