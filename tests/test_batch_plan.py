@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculant.core.batch_plan import EXPLORE_EVERY, OWN_CYCLES, WARM_UP, BatchPlan
+from speculant.core.batch_plan import EXPLORE_EVERY, EXPLORE_SHARE, OWN_CYCLES, WARM_UP, BatchPlan
 from speculant.core.metrics import GenerationStats
 
 ROOM = 7
@@ -177,3 +177,17 @@ def test_an_exploration_drafts_on_a_row_with_something_to_draft_and_widens_littl
     plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
     plan.cycles = EXPLORE_EVERY  # 32 padded rows: one draft widens the block by 32 tokens
     assert sorted(plan.limits([ROOM] * 32, [history(ROOM)] * 32)) == [0] * 31 + [1]
+
+
+def test_a_costly_exploration_spaces_out_the_next_so_explorations_stay_a_small_share():
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0)  # a plain cycle of 4 rows: 4 ms
+    plan.cycles = EXPLORE_EVERY
+    assert plan.limits([ROOM] * 4, [history(ROOM)] * 4) != [0] * 4  # an exploration
+    plan.observe(4, 4 * 9, 0.012)  # it cost 2 plain cycles more
+    nearest = plan.cycles + int(2.0 / EXPLORE_SHARE)
+    assert plan._explore_at >= nearest
+    plan.cycles = nearest - 1
+    plan._memo.clear()
+    assert plan.limits([ROOM] * 4, [history(0)] * 4) == [0] * 4  # not yet (and plain pays)
+    plan.cycles = plan._explore_at
+    assert plan.limits([ROOM] * 4, [history(0)] * 4) != [0] * 4  # now
