@@ -126,9 +126,9 @@ class BatchPlan:
         return self._memo[key]
 
     def _seconds(self, rows: int, tokens: float) -> float:
-        """A forward's seconds over ``tokens`` computed tokens: interpolated between the measured
-        ones (rarely a straight line: wider matrix products run faster per token), extended
-        along the last segment past them; the fitted line while fewer than two are known."""
+        """A forward's seconds over ``tokens`` computed tokens, read off the curve of the measured
+        ones (:func:`_read`; rarely a straight line: wider matrix products run faster per token);
+        the fitted line while fewer than two are known."""
         key = ("curve", rows)  # one curve a cycle: the plan reads it at every width it tries
         if key not in self._memo:
             same = [(t, s) for r, t, s in self.samples if r == rows]
