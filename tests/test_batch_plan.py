@@ -184,10 +184,10 @@ def test_a_costly_exploration_spaces_out_the_next_so_explorations_stay_a_small_s
     plan.cycles = EXPLORE_EVERY
     assert plan.limits([ROOM] * 4, [history(ROOM)] * 4) != [0] * 4  # an exploration
     plan.observe(4, 4 * 9, 0.012)  # it cost 2 plain cycles more
+    assert plan.seconds(4, 4 * 9) == pytest.approx(0.032)  # the curve read after it has its point (never below 32 tokens')
     nearest = plan.cycles + int(2.0 / EXPLORE_SHARE)
     assert plan._explore_at >= nearest
     plan.cycles = nearest - 1
-    plan._memo.clear()
     assert plan.limits([ROOM] * 4, [history(0)] * 4) == [0] * 4  # not yet (and plain pays)
     plan.cycles = plan._explore_at
     assert plan.limits([ROOM] * 4, [history(0)] * 4) != [0] * 4  # now

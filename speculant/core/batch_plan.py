@@ -57,12 +57,12 @@ class BatchPlan:
         """One batched cycle: its rows, the tokens its forward computed (padding included), its
         seconds, and its draft call: the rows it drafted and its seconds (within ``seconds``)."""
         self.cycles += 1
-        self._memo.clear()
-        if self._exploring:
+        if self._exploring:  # priced against the plain cycles measured before it
             self._space_explorations(rows, seconds)
         if drafted:
             self.draft_samples.append((drafted, draft_seconds))
         self.samples.append((rows, tokens, max(seconds - draft_seconds, 1e-9)))
+        self._memo.clear()  # after the sample: a curve read above must not outlive it
 
     def _space_explorations(self, rows: int, seconds: float) -> None:
         """The next exploration no sooner than its extra seconds over a plain cycle's make
