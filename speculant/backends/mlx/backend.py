@@ -47,6 +47,9 @@ class MLXBackend(Backend):
 
         try:
             blas.preload()
+        except RuntimeError as exc:  # SPECULANT_MLX_BLAS names a library that cannot serve
+            return str(exc)
+        try:
             import mlx.core  # noqa: F401  (the CPU/Metal library itself must load)
         except Exception as exc:  # pragma: no cover - broken install
             return f"mlx is installed but cannot be imported: {type(exc).__name__}: {exc}"
