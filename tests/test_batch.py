@@ -74,22 +74,25 @@ def drafts_for(pattern: str, truth: list[int], cycle: int, vocab: int) -> list[i
     return drafts
 
 
-def batched_greedy(batch, solo: dict, check=None, together: bool = False) -> tuple[dict, dict]:
-    """Run every sequence of SEQUENCES through ``batch`` with greedy acceptance; returns each one's
+def batched_greedy(batch, solo: dict, check=None, together: bool = False, sequences: dict | None = None,
+                   join_many: bool = False) -> tuple[dict, dict]:
+    """Run every sequence of ``sequences`` (SEQUENCES) through ``batch`` with greedy acceptance; returns each one's
     tokens and how many drafts it had accepted each cycle. ``check(key, context, block, out)``
     sees each verified row: the sequence's tokens so far (not the anchor), its block, its output.
-    ``together``: sequences with their tokens wait (decoding on) until two can leave at once."""
+    ``together``: sequences with their tokens wait (decoding on) until two can leave at once.
+    ``join_many``: the sequences joining at one cycle join in one call."""
+    SEQUENCES = sequences or globals()["SEQUENCES"]
     emitted = {key: [] for key in SEQUENCES}
     accepted = {key: [] for key in SEQUENCES}
     left_together: list[int] = []
     cycle = 0
     while batch.keys or cycle <= max(joins_at for _, joins_at, _ in SEQUENCES.values()):
-        for key, (prompt, joins_at, _) in SEQUENCES.items():
-            if joins_at == cycle:
-                out = batch.join(key, prompt, CAPTURE)
-                assert out.features.shape[0] == len(prompt)
-                vocab = int(out.logits.shape[-1])
-                emitted[key].append(int(np.asarray(out.logits[-1]).argmax()))
+        joining = [(key, prompt, None) for key, (prompt, joins_at, _) in SEQUENCES.items() if joins_at == cycle]
+        outs = batch.join_many(joining, CAPTURE) if join_many else [batch.join(*join[:2], CAPTURE) for join in joining]
+        for (key, prompt, _), out in zip(joining, outs):
+            assert out.features.shape[0] == len(prompt)
+            vocab = int(out.logits.shape[-1])
+            emitted[key].append(int(np.asarray(out.logits[-1]).argmax()))
         blocks = []
         for key in batch.keys:
             tokens = emitted[key]
@@ -131,8 +134,7 @@ def test_each_batched_sequence_equals_its_solo_greedy_run(targets, name, compact
     solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in SEQUENCES.items()}
     cls = batch_class(backend)
     monkeypatch.setattr(cls, "compact_at", compact_at)
-    if backend == "mlx":  # prompts of 3 .. 20 tokens join in chunks of 6
-        monkeypatch.setattr("speculant.backends.mlx.batch.PREFILL_STEP", 6)
+    monkeypatch.setattr(cls, "join_tokens", 6)  # prompts of 3 .. 20 tokens join in chunks of 6
     assert_each_equals_its_solo_run(cls(engine.target), solo)
 
 
@@ -173,6 +175,36 @@ def test_sequences_leaving_together_leave_the_others_as_they_were(targets, name,
     monkeypatch.setattr(batch.book, "compact_at", compact_at)
     got, _ = batched_greedy(batch, solo, together=True)
     assert got == solo
+
+
+# joining in one call: two prompts of one length (a hybrid's group: padding would move its recurrent
+# state) beside a shorter one, and one joining later alone
+TOGETHER = {
+    "whole": (list(range(5, 12)), 0, "whole"),
+    "never": (list(range(30, 37)), 0, "never"),
+    "mixed": (list(range(60, 63)), 0, "mixed"),
+    "late": (list(range(90, 103)), 2, "mixed"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "qwen3_5"])
+def test_sequences_joining_together_equal_their_solo_runs(targets, name, backend, monkeypatch):
+    """``join_many``: prompts of different lengths prefilled as rows of one right-padded forward
+    (their chunks, then their last tokens); each row's first token, captured states and every
+    later cycle equal the sequence's solo run, on dense, sliding and Gated DeltaNet targets."""
+    engine = engine_for(targets(name), backend)
+    solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in TOGETHER.items()}
+    cls, grouped = batch_class(backend), []
+    join_rows = cls._join_rows
+    monkeypatch.setattr(cls, "_join_rows", lambda self, prompts, capture:
+                        grouped.append(sorted(map(len, prompts))) or join_rows(self, prompts, capture))
+    batch = cls(engine.target)
+    got, accepted = batched_greedy(batch, solo, sequences=TOGETHER, join_many=True)
+    assert got == solo
+    assert set(accepted["never"]) == {0} and accepted["whole"][0] == 5
+    # (MLX prefills a sequence joining alone through the same path: a group of one)
+    assert [g for g in grouped if len(g) > 1] == ([[7, 7]] if name in HYBRIDS else [[3, 7, 7]])
 
 
 def test_the_flattened_layout_refuses_gated_deltanet_layers(targets):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speculant.core.batch import RowBook
+from speculant.core.batch import RowBook, join_groups
 
 
 def test_rows_keep_their_own_positions_through_blocks_crops_and_compaction():
@@ -61,3 +61,13 @@ def test_a_short_rows_unused_tail_does_not_make_plain_steps_compact():
         book.open_block([8, 8])
         compact = book.crop(kept, names=["long", "short"])
     assert compact  # 21 of 72 columns are held by no row
+
+
+def test_joining_prompts_group_within_the_budget_and_padding_at_most_doubling_the_work():
+    # shortest first; 1-token and restored (0) prompts alone; a prompt past the budget alone
+    assert join_groups([3, 7, 20, 1, 0, 300], budget=512) == [[0, 1, 2], [3], [4], [5]]
+    assert join_groups([10, 10, 10], budget=20) == [[0, 1], [2]]
+    # 2, 2, 2 then 40: four rows of 40 (160) would be more than twice their 46 real tokens
+    assert join_groups([40, 2, 2, 2], budget=512) == [[0], [1, 2, 3]]
+    assert join_groups([3, 9, 3, 9], budget=512, equal=True) == [[0, 2], [1, 3]]
+    assert join_groups([5, 6], budget=0) == [[0], [1]]  # a batch that prefills each alone

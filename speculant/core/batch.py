@@ -9,7 +9,7 @@ cycles. Arrays are the backend's, handled through its ``ArrayOps`` as everywhere
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
 Restored = tuple[CacheSnapshot, int]  # a stored snapshot, and how many leading prompt tokens it restores
+Join = tuple[Hashable, Sequence[int], "Restored | None"]  # a sequence joining: key, prompt, restored prefix
 
 _BATCHED_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -64,20 +65,46 @@ class BatchedTarget(ABC):
         position, the captured states of every position run. With ``restored`` (a snapshot that
         :meth:`can_restore` and its length ``n``), the row starts from the snapshot's first ``n``
         positions and only ``token_ids[n:]`` are run (the output covers those). Only between cycles."""
-        if key in self.keys:
-            raise ValueError(f"sequence {key!r} is already in the batch")
+        return self.join_many([(key, token_ids, restored)], capture)[0]
+
+    def join_many(self, joins: Sequence[Join], capture: Capture = Capture()) -> list[ForwardOutput]:
+        """:meth:`join` for each of ``joins`` ((key, token_ids, restored) each), the outputs in
+        their order. Short prompts with nothing restored are prefilled together, right-padded, in
+        one forward a group (:func:`join_groups`): a burst of requests costs a few forwards, not one
+        each. The keys go into :attr:`keys` group by group, so read the rows' order from there."""
+        keys = [key for key, _, _ in joins]
+        for key in keys:
+            if key in self.keys or keys.count(key) > 1:
+                raise ValueError(f"sequence {key!r} is already in the batch")
         self._between_cycles("join")
-        start = 0 if restored is None else restored[1]
-        if len(token_ids) <= start:
-            raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token" if not start else
-                             f"sequence {key!r} has no prompt token after its {start} restored ones; give it one more")
-        out = self._join_row(token_ids, capture, restored)
-        self.keys.append(key)
-        return out
+        for key, token_ids, restored in joins:
+            _check_prompt(key, token_ids, restored)
+        outs: list[ForwardOutput | None] = [None] * len(joins)
+        lengths = [len(t) if r is None else 0 for _, t, r in joins]  # 0: joins alone
+        for group in join_groups(lengths, self.join_tokens, equal=self._joins_need_equal_lengths()):
+            if len(group) == 1:
+                _, token_ids, restored = joins[group[0]]
+                outs[group[0]] = self._join_row(token_ids, capture, restored)
+            else:
+                for i, out in zip(group, self._join_rows([joins[i][1] for i in group], capture)):
+                    outs[i] = out
+            self.keys += [keys[i] for i in group]
+        return outs
 
     @abstractmethod
     def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
         """:meth:`join`'s work once the arguments are checked: the new row's caches and its output."""
+
+    join_tokens = 0  # a joining group's padded tokens per forward (0: every sequence joins alone)
+
+    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
+        """Rows for ``prompts`` (two or more, at least two tokens each) prefilled together; each
+        one's output as :meth:`_join_row`'s. Backends with ``join_tokens`` set implement it."""
+        raise NotImplementedError
+
+    def _joins_need_equal_lengths(self) -> bool:
+        """Whether only prompts of one length prefill together (a recurrent layer's padding would move its state)."""
+        return "linear_attention" in (self.target.info.layer_types or ())
 
     def can_restore(self, snapshot: CacheSnapshot) -> bool:
         """Whether :meth:`join` can start a row from ``snapshot`` (one the target took)."""
@@ -116,10 +143,6 @@ class BatchedTarget(ABC):
     def _drop_rows(self, rows: list[int]) -> None:
         """Drop rows ``rows``' caches and bookkeeping (``keys`` no longer has them; some rows remain)."""
 
-    def _between_cycles(self, what: str) -> None:
-        if self.book.block is not None:
-            raise RuntimeError(f"{what} between cycles: crop the last verified block first")
-
     @abstractmethod
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
         """Run ``blocks[i]`` (anchor + drafts of ``keys[i]``, one token or more) after each
@@ -140,6 +163,43 @@ class BatchedTarget(ABC):
         return widths
 
 
+def _check_prompt(key: Hashable, token_ids: Sequence[int], restored: Restored | None) -> None:
+    start = 0 if restored is None else restored[1]
+    if len(token_ids) <= start:
+        raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token" if not start else
+                         f"sequence {key!r} has no prompt token after its {start} restored ones; give it one more")
+
+
+def join_groups(lengths: Sequence[int], budget: int, equal: bool = False) -> list[list[int]]:
+    """Which joining prompts prefill together: index groups, in order of their first member.
+    Prompts of length < 2 (or 0: restored ones) join alone. The others, shortest first, fill a
+    group while its padded size (members x longest) stays within ``budget`` tokens and at most
+    twice its real tokens (padding costs compute); with ``equal``, only equal lengths group."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    for i in sorted((i for i, n in enumerate(lengths) if n >= 2), key=lambda i: lengths[i]):
+        n, real = lengths[i], sum(lengths[j] for j in group) + lengths[i]
+        fits = (len(group) + 1) * n <= min(budget, 2 * real) and (not equal or not group or lengths[group[0]] == n)
+        if group and not fits:
+            groups.append(group)
+            group = []
+        group.append(i)
+    if group:
+        groups.append(group)
+    groups += [[i] for i, n in enumerate(lengths) if n < 2]
+    return sorted(groups, key=min)
+
+
+def prefill_blocks(prompts: Sequence[Sequence[int]], step: int) -> Iterator[list[list[int]]]:
+    """The blocks that prefill ``prompts`` as rows of one batch: every prompt but its last token, in
+    chunks of at most ``step`` columns (a row that has run out gets an empty block), whose logits
+    are not needed; then the last tokens, whose logits give each row its first token."""
+    longest = max(len(p) for p in prompts) - 1
+    for at in range(0, longest, step):
+        yield [list(p[at:min(at + step, len(p) - 1)]) for p in prompts]
+    yield [[p[-1]] for p in prompts]
+
+
 class RowBook:
     """Which cache columns hold which positions of which row, on the host (numpy), for every
     backend's :class:`BatchedTarget` over one rectangular cache ``[rows, ..., columns, ...]``.
@@ -149,11 +209,13 @@ class RowBook:
     clears the valid bits past each row's accepted length; :meth:`compaction` gives the gather
     that moves each row's held columns first, once that frees ``compact_at`` of the columns."""
 
-    def __init__(self, compact_at: float = 0.25) -> None:
+    def __init__(self, compact_at: float = 0.25, lengths: Sequence[int] = ()) -> None:
         self.compact_at = compact_at
         self.valid = np.zeros((0, 0), dtype=bool)
         self.positions = np.zeros((0, 0), dtype=np.int64)
         self.block: tuple[np.ndarray, list[int]] | None = None  # (lengths before, widths) of the open block
+        for length in lengths:  # rows holding that many positions each
+            self.add_row(length)
 
     @property
     def columns(self) -> int:
@@ -169,6 +231,12 @@ class RowBook:
         row = np.arange(columns) < length
         self.valid = np.concatenate([_pad(self.valid, columns), row[None]], axis=0)
         self.positions = np.concatenate([_pad(self.positions, columns), np.arange(columns)[None]], axis=0)
+
+    def extend(self, other: "RowBook") -> None:
+        """Append ``other``'s rows below these (both padded to the wider's columns, not valid)."""
+        columns = max(self.columns, other.columns)
+        self.valid = np.concatenate([_pad(self.valid, columns), _pad(other.valid, columns)], axis=0)
+        self.positions = np.concatenate([_pad(self.positions, columns), _pad(other.positions, columns)], axis=0)
 
     def held(self, row: int) -> np.ndarray:
         """The columns holding row ``row``'s positions, in position order."""
@@ -253,10 +321,11 @@ class FlatBook:
     def lengths(self) -> np.ndarray:
         return np.bincount(self.owner[self.valid], minlength=self.rows)
 
-    def add_row(self, length: int) -> None:
-        """A sequence holding positions ``0 .. length - 1``, appended as the last columns."""
-        self._append(np.full(length, self.rows), np.arange(length), np.ones(length, dtype=bool))
-        self.rows += 1
+    def extend(self, book: RowBook) -> None:
+        """Append ``book``'s rows (a joining sequence's own padded book), each row's columns end to end."""
+        for row in range(book.valid.shape[0]):
+            self._append(np.full(book.columns, self.rows), book.positions[row], book.valid[row])
+            self.rows += 1
 
     def drop_rows(self, rows: Sequence[int]) -> None:
         gone = np.isin(self.owner, rows)

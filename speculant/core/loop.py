@@ -23,7 +23,7 @@ from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, Dra
                                   Verification)
 
 if TYPE_CHECKING:
-    from speculant.core.batch import BatchedTarget
+    from speculant.core.batch import BatchedTarget, Join
     from speculant.core.engine import Engine
     from speculant.core.tree import DraftTree
 
@@ -70,8 +70,7 @@ class Loop:
         self._finished = False
         self.plain_streak = 0  # batched cycles in a row the scheduler's plan gave no drafts
         self.batched = False  # verified in a batch (core/scheduler.py) rather than on the target's own cache
-        limit = engine.verifier.max_context  # from this context on the request decodes plainly
-        self.limit = limit
+        self.limit = limit = engine.verifier.max_context  # from this context on the request decodes plainly
         self.timed = engine.time_phases or engine.verifier.needs_timings
         self.stats.phases_timed = self.timed
         within = limit is None or len(prompt_ids) < limit
@@ -83,8 +82,7 @@ class Loop:
         self._ahead_anchor = None
         self._last_whole = True  # the last verified draft was accepted whole
         self.prefix = PrefixRequest(engine, prompt_ids, self.capture)
-        window = engine.target.info.max_position_embeddings
-        self.window = window
+        self.window = window = engine.target.info.max_position_embeddings
         if window is not None and len(prompt_ids) >= window:
             raise ContextTooLongError(
                 f"the prompt has {len(prompt_ids)} tokens but the target's context window is {window}; shorten the prompt"
@@ -145,13 +143,29 @@ class Loop:
         joins from the longest stored prefix of its prompt (prefix_request.py) and returns its
         first token; one that ran alone has its row rebuilt from the prompt and what it emitted but
         the last (the next anchor), and the prefix store's recording ends for it."""
-        self.batched = True
-        self.trees = self.draft_ahead = False
+        self._batched()
         if self.produced:
             self.prefix.active = False
             rows.join(key, list(self.prompt_ids) + self.produced[:-1], capture)
             return []
-        out = self.prefix.join(rows, key, capture)
+        return self._started(self.prefix.join(rows, key, capture))
+
+    def planned_join(self, rows: "BatchedTarget", key: Hashable) -> "Join | None":
+        """How this new request joins ``rows`` as row ``key`` beside others (``rows.join_many``, the
+        output then to :meth:`joined`); None where it joins alone through :meth:`into_batch`."""
+        planned = None if self.produced else self.prefix.planned_join(rows, key)
+        if planned is not None:
+            self._batched()
+        return planned
+
+    def joined(self, out: ForwardOutput) -> list[int]:
+        """The first token of the request from its :meth:`planned_join`'s output."""
+        return self._started(self.prefix.joined(out))
+
+    def _batched(self) -> None:
+        self.batched, self.trees, self.draft_ahead = True, False, False
+
+    def _started(self, out: ForwardOutput) -> list[int]:
         self.stats.cached_tokens = self.prefix.cached_tokens
         first = self.first(out)
         self.prefix.prompt_done()

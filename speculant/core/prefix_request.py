@@ -18,7 +18,7 @@ from speculant.core.prefix_cache import CacheSnapshot, PrefixEntry
 from speculant.core.types import Array, Capture, ForwardOutput
 
 if TYPE_CHECKING:
-    from speculant.core.batch import BatchedTarget
+    from speculant.core.batch import BatchedTarget, Join, Restored
     from speculant.core.engine import Engine
 
 CHECKPOINT_MIN = 16  # shared tokens worth a snapshot of their own (one more prefill chunk and copy)
@@ -44,6 +44,7 @@ class PrefixRequest:
         self.rows: "BatchedTarget | None" = None  # the batch whose row ``row_key`` holds this request's caches
         self.row_key: Hashable = None
         self._began = False  # the caches hold this request's state (it was prefilled or joined a batch)
+        self._start = 0  # a join's restored prompt tokens (its output covers the rest)
 
     # -- the prefill ------------------------------------------------------------------------
     def restore(self) -> int:
@@ -70,31 +71,51 @@ class PrefixRequest:
         the output over the whole prompt, as :meth:`prefill`'s. The row's state is stored from then
         on. A checkpoint at a shared prefix (see :meth:`prefill`) joins that prefix first, stores
         it, leaves, and joins again from it."""
-        self.rows, self.row_key, self._began = rows, key, True
-        if not self.active:
-            return rows.join(key, self.prompt, capture)
-        found = self.store.lookup(self.key, self.prompt)
-        restored = None
-        if found is not None and rows.can_restore(found[0].snapshot):
-            restored = (found[0].snapshot, found[1])
-            self._restored(*found)
-        start = 0 if restored is None else restored[1]
+        planned = self.planned_join(rows, key)
+        if planned is not None:
+            return self.joined(rows.join_many([planned], capture)[0])
+        restored, start = self._restorable(rows)
         split = self._checkpoint(start)
         self.store.remember(self.key, self.prompt)
-        if split is not None:
-            kept = list(self._features), list(self._final)
-            checkpoint = self._checkpoint_row(rows, key, capture, restored, split)
-            if checkpoint is None:  # not stored: the whole rest is run after all
-                self._features, self._final = kept
-            else:
-                restored, start = (checkpoint, split), split
-        out = rows.join(key, self.prompt, capture, restored)
-        self._take(out, len(self.prompt) - start)
+        kept = list(self._features), list(self._final)
+        checkpoint = self._checkpoint_row(rows, key, capture, restored, split)
+        if checkpoint is None:  # not stored: the whole rest is run after all
+            self._features, self._final = kept
+        else:
+            restored, start = (checkpoint, split), split
+        self._start = start
+        return self.joined(rows.join(key, self.prompt, capture, restored))
+
+    def planned_join(self, rows: "BatchedTarget", key: Hashable) -> "Join | None":
+        """How to join the batch ``rows`` as row ``key`` (its prompt, the stored prefix it starts
+        from), for the batch to run beside others' joins and hand the output to :meth:`joined`; None
+        where the request must :meth:`join` alone (it stores a checkpoint on the way)."""
+        self.rows, self.row_key, self._began = rows, key, True
+        restored, self._start = self._restorable(rows) if self.active else (None, 0)
+        if self.active:
+            if self._checkpoint(self._start) is not None:
+                return None
+            self.store.remember(self.key, self.prompt)
+        return key, self.prompt, restored
+
+    def joined(self, out: ForwardOutput) -> ForwardOutput:
+        """The output over the whole prompt, from the join's ``out`` (over the rows it ran)."""
+        if not self.active:
+            return out
+        self._take(out, len(self.prompt) - self._start)
         if not self._complete:  # the batch captured other rows than this request's key: nothing is stored
             return out
         ops = self.engine.backend.ops
         self._features, self._final = _compacted(ops, self._features), _compacted(ops, self._final)
         return ForwardOutput(out.logits, _first(self._features), _first(self._final))
+
+    def _restorable(self, rows: "BatchedTarget") -> tuple["Restored | None", int]:
+        """The longest stored prefix of the prompt ``rows`` can restore (taken as restored) and its length."""
+        found = self.store.lookup(self.key, self.prompt)
+        if found is None or not rows.can_restore(found[0].snapshot):
+            return None, 0
+        self._restored(*found)
+        return (found[0].snapshot, found[1]), found[1]
 
     def _checkpoint_row(self, rows: "BatchedTarget", key: Hashable, capture: Capture, restored, split: int):
         """Row ``key`` holding the prompt's first ``split`` tokens, stored, then gone again: its snapshot or None."""

@@ -110,18 +110,21 @@ class Scheduler:
             return self._waiting.popleft() if self._waiting else None
 
     def _admit(self) -> Iterator[tuple[Request, Chunk]]:
+        joining: list[Request] = []  # admitted together: their prompts are prefilled together
         while len(self.live) < self.max_batch and self._waiting:
             if self.live and self.rows is None:  # the one live request has not started: both join a batch
                 if not self._new_rows():
-                    return  # this target does not batch: the next request waits for the live one
-                yield from self._join(self.live[0])
+                    break  # this target does not batch: the next request waits for the live one
+                joining.append(self.live[0])
             request = self._next_waiting()
             if request is None:
-                return
+                break
             self._bind(request)
             self.live.append(request)
             if self.rows is not None:
-                yield from self._join(request)
+                joining.append(request)
+        if joining:
+            yield from self._join(*joining)
 
     def _new_rows(self) -> bool:
         """Start a batch over the target; False where it cannot batch (the reason kept in
@@ -151,23 +154,39 @@ class Scheduler:
             loop.drafter, loop.speculating = None, False
             loop.stats.batch_note = str(exc)
 
-    def _join(self, request: Request) -> Iterator[tuple[Request, Chunk]]:
-        """Add ``request`` as a row: a new one is prefilled there (from the longest stored prefix of
-        its prompt) and emits its first token; one that ran alone has its cache rebuilt there
-        (prompt and emitted tokens) in one forward."""
-        loop = request.loop
-        if loop.cancelled():
-            yield from self._end(request)
-            return
-        started = bool(loop.produced)
-        if not started and loop.speculating and not self._worth_drafting(loop):
-            loop.speculating = False
-            loop.stats.batch_note = f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests"
+    def _join(self, *requests: Request) -> Iterator[tuple[Request, Chunk]]:
+        """Add ``requests`` as rows: new ones are prefilled there (each from the longest stored
+        prefix of its prompt; those the batch can, in one forward) and emit their first tokens;
+        one that ran alone has its cache rebuilt there (prompt and emitted tokens) in one forward."""
+        planned, together = [], []
+        for request in requests:
+            loop = request.loop
+            if loop.cancelled():
+                yield from self._end(request)
+                continue
+            if not loop.produced and loop.speculating and not self._worth_drafting(loop):
+                loop.speculating = False
+                loop.stats.batch_note = f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests"
+            join = loop.planned_join(self.rows, request.key)
+            if join is None:  # one that ran alone, or a prompt storing a checkpoint on its way
+                yield from self._started(request, lambda: loop.into_batch(self.rows, request.key, self._capture()))
+            else:
+                planned.append(join)
+                together.append(request)
+        if together:
+            outs = self.rows.join_many(planned, self._capture())
+            order = {key: row for row, key in enumerate(self.rows.keys)}
+            self.live.sort(key=lambda r: order.get(r.key, -1))  # verify's blocks go in the rows' order
+            for request, out in zip(together, outs):
+                yield from self._started(request, lambda: request.loop.joined(out))
+
+    def _started(self, request: Request, join) -> Iterator[tuple[Request, Chunk]]:
+        """The first chunk of ``request`` once ``join()`` put it in the batch (its first tokens)."""
         try:
-            new = loop.into_batch(self.rows, request.key, self._capture())
+            new = join()
         except GenerationError as exc:
             request.error = exc
-            loop.stop("error")
+            request.loop.stop("error")
             yield from self._end(request)
             return
         chunk = request.chunk(new)

@@ -30,7 +30,7 @@ from speculant.backends.mlx import batch_rows as rows
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
 from speculant.core import spare_room
-from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.batch import BatchedTarget, Restored, RowBook, prefill_blocks, visible_columns
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
@@ -72,10 +72,10 @@ class RowsCache(_BaseCache):
         self.keys = mx.take_along_axis(self.keys, where, axis=2)
         self.values = mx.take_along_axis(self.values, where, axis=2)
 
-    def append_row(self, other: "RowsCache", columns: int) -> None:
-        """Add ``other``'s one row below these, both padded to ``columns``."""
+    def append_rows(self, other: "RowsCache", columns: int) -> None:
+        """Add ``other``'s rows below these, both padded to ``columns``."""
         if self.keys is None:
-            self.keys, self.values = other.keys, other.values
+            self.keys, self.values = _pad(other.keys, columns), _pad(other.values, columns)
             return
         self.keys = mx.concatenate([_pad(self.keys, columns), _pad(other.keys, columns)], axis=0)
         self.values = mx.concatenate([_pad(self.values, columns), _pad(other.values, columns)], axis=0)
@@ -97,26 +97,39 @@ class MLXBatch(BatchedTarget):
         return [DeltaCache(len(c.cache)) if isinstance(c, DeltaCache)
                 else RowsCache(c.window if isinstance(c, WindowKVCache) else None) for c in self._kinds]
 
+    join_tokens = PREFILL_STEP
+
     def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
-        start = 0 if restored is None else restored[1]
-        solo, book = self._new_layers() if restored is None else rows.restored(self, *restored), RowBook()
-        book.add_row(start)
-        features, finals = [], []
-        for at in range(start, len(token_ids), PREFILL_STEP):  # chunks bound the host mask and activations
-            logits, f, h = self._forward([list(token_ids[at:at + PREFILL_STEP])], solo, book, capture)
-            features.append(_row(f, 0))
-            finals.append(_row(h, 0))
-            mx.eval([logits] + _arrays(solo) + [a for a in (f, h) if a is not None])
-        self.book.add_row(len(token_ids))
+        if restored is None:
+            return self._join_rows([token_ids], capture)[0]
+        start = restored[1]  # the stored positions as a row of their own, then the rest run after them
+        return self._prefill_rows([token_ids[start:]], rows.restored(self, *restored), RowBook(lengths=[start]), capture)[0]
+
+    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
+        return self._prefill_rows(prompts, self._new_layers(), RowBook(lengths=[0] * len(prompts)), capture)
+
+    def _prefill_rows(self, prompts: list[Sequence[int]], solo: list, book: RowBook,
+                      capture: Capture) -> list[ForwardOutput]:
+        """Run ``prompts`` after ``solo``'s rows (``book``'s), as the single prefill does: the
+        chunks' logits are never evaluated, the last tokens' are; then add the rows to the batch."""
+        features, finals = [[] for _ in prompts], [[] for _ in prompts]
+        for blocks in prefill_blocks(prompts, max(1, self.join_tokens // len(prompts))):
+            logits, f, h = self._forward(blocks, solo, book, capture)
+            for row, block in enumerate(blocks):
+                features[row].append(_row(f, row, len(block)))
+                finals[row].append(_row(h, row, len(block)))
+            mx.eval(_arrays(solo) + [a for a in (f, h) if a is not None])
+        self.book.extend(book)
         for layer, new in zip(_attention(self.layers), _attention(solo)):
-            layer.append_row(new, self.book.columns)
+            layer.append_rows(new, self.book.columns)
         for layer, new in zip(_deltas(self.layers), _deltas(solo)):
             if layer.empty():
                 layer.cache = list(new.cache)
             else:
                 layer.extend(new)
         self._settle(logits)
-        return ForwardOutput(logits=logits[0, -1:], features=_join(features), final_hidden=_join(finals))
+        return [ForwardOutput(logits=logits[row], features=_join(f), final_hidden=_join(h))
+                for row, (f, h) in enumerate(zip(features, finals))]
 
     def can_restore(self, snapshot: CacheSnapshot) -> bool:
         return rows.restorable(snapshot)

@@ -44,7 +44,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from speculant.backends.torch import batch_rows as rows
 from speculant.backends.torch.growing import GrowingLayer
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.batch import BatchedTarget, Restored, RowBook, prefill_blocks, visible_columns
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
@@ -79,23 +79,36 @@ class TorchBatch(BatchedTarget):
                         for layer in cache.layers]
         return cache
 
+    join_tokens = 512
+
     @torch.inference_mode()
     def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
         start = 0 if restored is None else restored[1]
-        ids = self.target.backend.int_array(token_ids[start:])[None, :]
-        if restored is None:
-            solo = self._new_cache()
-            logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1)
+        if restored is None:  # one forward: its logits_to_keep=1 spares the head the other rows
+            solo, book = self._new_cache(), RowBook(lengths=[0])
         else:  # the stored positions as a row of their own, then the rest run after them
-            solo, book = rows.restored(self, *restored), RowBook()
-            book.add_row(start)
-            query = book.open_block([len(token_ids) - start])
-            logits, features, final = self._forward(ids, solo, capture, logits_to_keep=1,
-                                                    attention_mask=self._mask(query, book),
-                                                    position_ids=torch.from_numpy(query).to(self._device))
-        _keep_linear(solo, [int(ids.shape[1])], int(ids.shape[1]))
-        self._merge(solo, len(token_ids))
+            solo, book = rows.restored(self, *restored), RowBook(lengths=[start])
+        logits, features, final = self._run_blocks([token_ids[start:]], solo, book, capture)
+        _keep_linear(solo, [len(token_ids) - start], len(token_ids) - start)
+        self._merge(solo, book)
         return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
+
+    @torch.inference_mode()
+    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
+        """The chunks (every prompt but its last token, right-padded) with one logit row each,
+        then the last tokens, whose logits are each row's."""
+        solo, book = self._new_cache(), RowBook(lengths=[0] * len(prompts))
+        features, finals = [[] for _ in prompts], [[] for _ in prompts]
+        for blocks in prefill_blocks(prompts, max(1, self.join_tokens // len(prompts))):
+            widths = [len(block) for block in blocks]
+            logits, f, h = self._run_blocks(blocks, solo, book, capture)
+            _keep_linear(solo, widths, max(widths))  # (a hybrid's group has one length: no padding)
+            for row, width in enumerate(widths):
+                features[row].append(_row(f, row, width))
+                finals[row].append(_row(h, row, width))
+        self._merge(solo, book)
+        return [ForwardOutput(logits=logits[row], features=_cat(f), final_hidden=_cat(h))
+                for row, (f, h) in enumerate(zip(features, finals))]
 
     def can_restore(self, snapshot: CacheSnapshot) -> bool:
         return rows.restorable(snapshot)
@@ -120,13 +133,7 @@ class TorchBatch(BatchedTarget):
     def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
         self._between_cycles("verify")
         widths = self._checked_widths(blocks)
-        ids = torch.zeros((len(blocks), max(widths)), dtype=torch.long, device=self._device)  # 0: padding, masked
-        for row, block in enumerate(blocks):
-            ids[row, : len(block)] = torch.as_tensor(list(block), device=self._device)
-        query = self.book.open_block(widths)
-        logits, features, final = self._forward(ids, self.cache, capture, logits_to_keep=0,
-                                                attention_mask=self._mask(query),
-                                                position_ids=torch.from_numpy(query).to(self._device))
+        logits, features, final = self._run_blocks(blocks, self.cache, self.book, capture, logits_to_keep=0)
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
                               final_hidden=_row(final, row, width))
                 for row, width in enumerate(widths)]
@@ -140,6 +147,21 @@ class TorchBatch(BatchedTarget):
         if self._hybrid:
             _keep_linear(self.cache, [length - first for length, first in zip(lengths, before)], widest)
             self.cache.block_states.clear()
+
+    def _run_blocks(self, blocks: Sequence[Sequence[int]], cache, book: RowBook, capture: Capture,
+                    logits_to_keep: int = 1):
+        """One forward of ``blocks`` (right-padded with 0, masked) after ``cache``'s rows (``book``'s);
+        a joining group's own book is done with after it."""
+        widths = [len(block) for block in blocks]
+        ids = torch.zeros((len(blocks), max(widths)), dtype=torch.long, device=self._device)  # 0: padding, masked
+        for row, block in enumerate(blocks):
+            ids[row, : len(block)] = torch.as_tensor(list(block), device=self._device)
+        query = book.open_block(widths)
+        out = self._forward(ids, cache, capture, logits_to_keep, attention_mask=self._mask(query, book),
+                            position_ids=torch.from_numpy(query).to(self._device))
+        if book is not self.book:
+            book.block = None
+        return out
 
     def _forward(self, ids: torch.Tensor, cache, capture: Capture, logits_to_keep: int, **inputs):
         target = self.target
@@ -174,17 +196,17 @@ class TorchBatch(BatchedTarget):
             masks[LINEAR] = None  # padding follows each row's tokens: it moves only states the crop drops
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
-    def _merge(self, solo, length: int) -> None:
-        """Add the prefilled cache ``solo`` (``length`` positions) as the last sequence."""
+    def _merge(self, solo, book: RowBook) -> None:
+        """Add the prefilled cache ``solo`` (``book``'s rows) as the last sequences."""
         first = not self.keys
-        self.book.add_row(length)
+        self.book.extend(book)
         if first:
             self.cache = solo
         else:
             self._append(solo)
 
     def _append(self, solo) -> None:
-        """Add ``solo``'s one row below the others, padding the shorter side's columns."""
+        """Add ``solo``'s rows below the others, padding the shorter side's columns."""
         columns = self.book.columns
         for layer, new in zip(_attention_layers(self.cache), _attention_layers(solo)):
             layer.keys = torch.cat([_pad(layer.keys, columns, 2), _pad(new.keys, columns, 2)], dim=0)
@@ -198,6 +220,10 @@ class TorchBatch(BatchedTarget):
         for layer in _attention_layers(self.cache):
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
+def _cat(parts: list) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _attention_layers(cache) -> list:

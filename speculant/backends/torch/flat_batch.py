@@ -25,6 +25,7 @@ class TorchFlatBatch(TorchBatch):
     """The live sequences of one batch over ``target``, flattened into one cache row."""
 
     padded = False
+    join_tokens = 0  # its cache is one row: a joining group's padded rows would need flattening first
 
     def __init__(self, target) -> None:
         if LINEAR in (target.info.layer_types or ()):
