@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speculant.core.batch import RowBook, join_groups
+from speculant.core.batch import RowBook
+from speculant.core.batch_join import join_groups
 
 
 def test_rows_keep_their_own_positions_through_blocks_crops_and_compaction():

@@ -266,3 +266,61 @@ def test_the_last_request_of_a_batch_goes_back_to_the_targets_own_cache(family, 
     assert emitted[0] == plain[0][:6] and emitted["long"] == plain[1]
     assert alone[0] is False and alone[-1] is True  # batched at first, alone at the end
     assert 0 < long.loop.stats.batched_cycles < long.loop.stats.verify_steps
+
+
+def batch_class(backend: str):
+    if backend == "mlx":
+        from speculant.backends.mlx.batch import MLXBatch
+
+        return MLXBatch
+    from speculant.backends.torch.batch import TorchBatch
+
+    return TorchBatch
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_5"])
+def test_a_long_prompt_joins_a_chunk_a_cycle_while_the_others_decode(family, plain_tokens, name, backend,
+                                                                      monkeypatch):
+    """A prompt longer than the batch's ``join_tokens`` joining a batch that decodes prefills one
+    chunk between two cycles of the others, so they keep emitting; then it decodes as its solo run."""
+    plain = plain_tokens(name, backend)
+    engine = planted(family(name), backend, plain)
+    monkeypatch.setattr(batch_class(backend), "join_tokens", 4)  # 20 tokens: 5 chunks, then the last token
+    decoder, joiner = requests(engine, [PROMPTS[4], PROMPTS[1]])  # both drafted wrong: a token a cycle
+    scheduler, emitted, chunked = Scheduler(engine, max_batch=2), {}, []
+    scheduler.add(decoder)
+    events = scheduler.run()
+    drain([next(events)], emitted)  # the decoder alone, on the target's own cache
+    scheduler.add(joiner)
+    while_joining = 0
+    for request, chunk in events:
+        chunked.append(len(scheduler.prefilling))
+        if request is decoder and 1 not in emitted:
+            while_joining += 1
+        drain([(request, chunk)], emitted)
+    assert emitted[0] == plain[4] and emitted[1] == plain[1]
+    assert max(chunked) == 1 and while_joining >= 5
+    assert joiner.loop.stats.batched_cycles > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_cancelled_while_its_long_prompt_joins_frees_its_slot(family, plain_tokens, backend, monkeypatch):
+    plain = plain_tokens("llama", backend)
+    engine = planted(family("llama"), backend, plain)
+    monkeypatch.setattr(batch_class(backend), "join_tokens", 4)
+    decoder, joiner, late = requests(engine, [PROMPTS[4], PROMPTS[1], PROMPTS[3]])
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    scheduler.add(decoder)
+    events = scheduler.run()
+    drain([next(events)], emitted)
+    scheduler.add(joiner)
+    scheduler.add(late)  # waits: the joiner holds the second slot while it prefills
+    for request, chunk in events:
+        drain([(request, chunk)], emitted)
+        if request is decoder and len(emitted[0]) == 3:
+            assert scheduler.prefilling and scheduler.waiting == 1
+            joiner.loop.cancel.set()
+    assert joiner.loop.stats.stop_reason == "cancelled" and emitted.get(1, []) == []
+    assert emitted[0] == plain[4] and emitted[2] == plain[3]
+    assert late.loop.stats.batched_cycles > 0 and not scheduler.prefilling and scheduler.rows is None

@@ -9,15 +9,14 @@ cycles. Arrays are the backend's, handled through its ``ArrayOps`` as everywhere
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, Iterator, Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
+from speculant.core.batch_join import Join, JoinSteps, PendingJoin, Restored, check_prompt, join_groups
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
-Restored = tuple[CacheSnapshot, int]  # a stored snapshot, and how many leading prompt tokens it restores
-Join = tuple[Hashable, Sequence[int], "Restored | None"]  # a sequence joining: key, prompt, restored prefix
 
 _BATCHED_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -45,6 +44,7 @@ class BatchedTarget(ABC):
             raise ValueError(problem)
         self.target = target
         self.keys = []
+        self.pending: set[Hashable] = set()  # sequences whose join is under way (begin_join)
 
     book: "RowBook"
 
@@ -72,13 +72,7 @@ class BatchedTarget(ABC):
         their order. Short prompts with nothing restored are prefilled together, right-padded, in
         one forward a group (:func:`join_groups`): a burst of requests costs a few forwards, not one
         each. The keys go into :attr:`keys` group by group, so read the rows' order from there."""
-        keys = [key for key, _, _ in joins]
-        for key in keys:
-            if key in self.keys or keys.count(key) > 1:
-                raise ValueError(f"sequence {key!r} is already in the batch")
-        self._between_cycles("join")
-        for key, token_ids, restored in joins:
-            _check_prompt(key, token_ids, restored)
+        keys = self._checked_joins(joins)
         outs: list[ForwardOutput | None] = [None] * len(joins)
         lengths = [len(t) if r is None else 0 for _, t, r in joins]  # 0: joins alone
         for group in join_groups(lengths, self.join_tokens, equal=self._joins_need_equal_lengths()):
@@ -90,6 +84,30 @@ class BatchedTarget(ABC):
                     outs[i] = out
             self.keys += [keys[i] for i in group]
         return outs
+
+    def begin_join(self, key: Hashable, token_ids: Sequence[int], capture: Capture = Capture(),
+                   restored: Restored | None = None) -> PendingJoin:
+        """:meth:`join` spread over cycles: each ``step()`` of the result runs ``join_tokens`` of the
+        prompt (one step where the backend sets none), so the rows decode between its chunks."""
+        self._checked_joins([(key, token_ids, restored)])
+        self.pending.add(key)
+        return PendingJoin(self, key, self._join_steps(token_ids, capture, restored))
+
+    def _join_steps(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> JoinSteps:
+        """:meth:`begin_join`'s chunks: a generator yielding after each, returning the output once the
+        row is added; backends that chunk override it."""
+        return self._join_row(token_ids, capture, restored)
+        yield  # a generator with no chunk to wait between
+
+    def _checked_joins(self, joins: Sequence[Join]) -> list[Hashable]:
+        keys = [key for key, _, _ in joins]
+        for key in keys:
+            if key in self.keys or key in self.pending or keys.count(key) > 1:
+                raise ValueError(f"sequence {key!r} is already in the batch")
+        self._between_cycles("join")
+        for key, token_ids, restored in joins:
+            check_prompt(key, token_ids, restored)
+        return keys
 
     @abstractmethod
     def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
@@ -161,43 +179,6 @@ class BatchedTarget(ABC):
         if min(widths, default=0) < 1:
             raise ValueError(f"every sequence's block needs its anchor token; widths were {widths}")
         return widths
-
-
-def _check_prompt(key: Hashable, token_ids: Sequence[int], restored: Restored | None) -> None:
-    start = 0 if restored is None else restored[1]
-    if len(token_ids) <= start:
-        raise ValueError(f"sequence {key!r} has an empty prompt; give it at least one token" if not start else
-                         f"sequence {key!r} has no prompt token after its {start} restored ones; give it one more")
-
-
-def join_groups(lengths: Sequence[int], budget: int, equal: bool = False) -> list[list[int]]:
-    """Which joining prompts prefill together: index groups, in order of their first member.
-    Prompts of length < 2 (or 0: restored ones) join alone. The others, shortest first, fill a
-    group while its padded size (members x longest) stays within ``budget`` tokens and at most
-    twice its real tokens (padding costs compute); with ``equal``, only equal lengths group."""
-    groups: list[list[int]] = []
-    group: list[int] = []
-    for i in sorted((i for i, n in enumerate(lengths) if n >= 2), key=lambda i: lengths[i]):
-        n, real = lengths[i], sum(lengths[j] for j in group) + lengths[i]
-        fits = (len(group) + 1) * n <= min(budget, 2 * real) and (not equal or not group or lengths[group[0]] == n)
-        if group and not fits:
-            groups.append(group)
-            group = []
-        group.append(i)
-    if group:
-        groups.append(group)
-    groups += [[i] for i, n in enumerate(lengths) if n < 2]
-    return sorted(groups, key=min)
-
-
-def prefill_blocks(prompts: Sequence[Sequence[int]], step: int) -> Iterator[list[list[int]]]:
-    """The blocks that prefill ``prompts`` as rows of one batch: every prompt but its last token, in
-    chunks of at most ``step`` columns (a row that has run out gets an empty block), whose logits
-    are not needed; then the last tokens, whose logits give each row its first token."""
-    longest = max(len(p) for p in prompts) - 1
-    for at in range(0, longest, step):
-        yield [list(p[at:min(at + step, len(p) - 1)]) for p in prompts]
-    yield [[p[-1]] for p in prompts]
 
 
 class RowBook:

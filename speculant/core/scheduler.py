@@ -24,6 +24,7 @@ from speculant.core.types import Capture, Chunk
 
 if TYPE_CHECKING:
     from speculant.core.batch import BatchedTarget
+    from speculant.core.batch_join import PendingJoin
     from speculant.core.engine import Engine
     from speculant.core.loop import Loop
 
@@ -74,6 +75,7 @@ class Scheduler:
         self.e = engine
         self.max_batch = max_batch
         self.live: list[Request] = []
+        self.prefilling: list[tuple[Request, "PendingJoin"]] = []  # long prompts joining a chunk a cycle
         self.rows: "BatchedTarget | None" = None  # while requests verify batched
         self.batch_refused: str | None = None  # why this target does not batch, once tried
         self._waiting: deque[Request] = deque()
@@ -95,13 +97,14 @@ class Scheduler:
     def run(self) -> Iterator[tuple[Request, Chunk]]:
         while True:
             yield from self._admit()
-            if not self.live:
+            if not self.live and not self.prefilling:
                 return
             if self.rows is None:
                 yield from self._solo(self.live[0])
             else:
                 yield from self._cycle()
                 yield from self._leave_ended()
+                yield from self._prefill_chunk()
                 self._maybe_alone()
 
     # -- admission -----------------------------------------------------------------------------
@@ -111,7 +114,7 @@ class Scheduler:
 
     def _admit(self) -> Iterator[tuple[Request, Chunk]]:
         joining: list[Request] = []  # admitted together: their prompts are prefilled together
-        while len(self.live) < self.max_batch and self._waiting:
+        while len(self.live) + len(self.prefilling) < self.max_batch and self._waiting:
             if self.live and self.rows is None:  # the one live request has not started: both join a batch
                 if not self._new_rows():
                     break  # this target does not batch: the next request waits for the live one
@@ -159,6 +162,7 @@ class Scheduler:
         prefix of its prompt; those the batch can, in one forward) and emit their first tokens;
         one that ran alone has its cache rebuilt there (prompt and emitted tokens) in one forward."""
         planned, together = [], []
+        decoding = bool(self.rows.keys)  # rows that a long prompt's prefill would hold back
         for request in requests:
             loop = request.loop
             if loop.cancelled():
@@ -170,6 +174,9 @@ class Scheduler:
             join = loop.planned_join(self.rows, request.key)
             if join is None:  # one that ran alone, or a prompt storing a checkpoint on its way
                 yield from self._started(request, lambda: loop.into_batch(self.rows, request.key, self._capture()))
+            elif decoding and 0 < self.rows.join_tokens < len(join[1]) - (join[2][1] if join[2] else 0):
+                self.live.remove(request)  # it goes live again with its first token (_prefill_chunk)
+                self.prefilling.append((request, self.rows.begin_join(*join[:2], self._capture(), join[2])))
             else:
                 planned.append(join)
                 together.append(request)
@@ -179,6 +186,21 @@ class Scheduler:
             self.live.sort(key=lambda r: order.get(r.key, -1))  # verify's blocks go in the rows' order
             for request, out in zip(together, outs):
                 yield from self._started(request, lambda: request.loop.joined(out))
+
+    def _prefill_chunk(self) -> Iterator[tuple[Request, Chunk]]:
+        """One chunk of the first long prompt joining, between two cycles of the others; its
+        first token once its last chunk is in."""
+        if not self.prefilling:
+            return
+        request, pending = self.prefilling[0]
+        if request.loop.cancelled():
+            pending.cancel()
+            self.prefilling.pop(0)
+            yield from self._end(request)
+        elif pending.step():
+            self.prefilling.pop(0)
+            self.live.append(request)  # its row is the batch's last, as in live
+            yield from self._started(request, lambda: request.loop.joined(pending.output))
 
     def _started(self, request: Request, join) -> Iterator[tuple[Request, Chunk]]:
         """The first chunk of ``request`` once ``join()`` put it in the batch (its first tokens)."""
@@ -291,7 +313,7 @@ class Scheduler:
     def _maybe_alone(self) -> None:
         """The last request of a batch with tokens still to go moves back onto the target's own
         cache (its fast paths), at the cost of one prefill of its context."""
-        if len(self.live) != 1 or self._waiting:
+        if len(self.live) != 1 or self._waiting or self.prefilling:
             return
         loop = self.live[0].loop
         if loop.ended or loop.max_new - len(loop.produced) < ALONE_AFTER:
@@ -310,13 +332,14 @@ class Scheduler:
         verifier states are freed, their last chunks made."""
         finals = []
         for request in requests:
-            self.live.remove(request)
+            if request in self.live:  # (not while its long prompt joins)
+                self.live.remove(request)
             finals.append(request.final())  # stores the request's state in the prefix store, from its row if it has one
         if self.rows is not None:
             leaving = [request.key for request in requests if request.key in self.rows.keys]
             if leaving:
                 self.rows.leave_many(leaving)
-            if not self.rows.keys:
+            if not self.rows.keys and not self.prefilling:
                 self.rows = None  # the next request alone runs on the target's own cache again
         for request, final in zip(requests, finals):
             loop = request.loop

@@ -30,7 +30,8 @@ from speculant.backends.mlx import batch_rows as rows
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
 from speculant.core import spare_room
-from speculant.core.batch import BatchedTarget, Restored, RowBook, prefill_blocks, visible_columns
+from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.batch_join import JoinSteps, prefill_blocks, run_steps
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
@@ -100,22 +101,31 @@ class MLXBatch(BatchedTarget):
     join_tokens = PREFILL_STEP
 
     def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        return run_steps(self._join_steps(token_ids, capture, restored))
+
+    def _join_steps(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> JoinSteps:
         if restored is None:
-            return self._join_rows([token_ids], capture)[0]
-        start = restored[1]  # the stored positions as a row of their own, then the rest run after them
-        return self._prefill_rows([token_ids[start:]], rows.restored(self, *restored), RowBook(lengths=[start]), capture)[0]
+            outs = yield from self._prefill_steps([token_ids], self._new_layers(), RowBook(lengths=[0]), capture)
+        else:  # the stored positions as a row of their own, then the rest run after them
+            start = restored[1]
+            solo, book = rows.restored(self, *restored), RowBook(lengths=[start])
+            outs = yield from self._prefill_steps([token_ids[start:]], solo, book, capture)
+        return outs[0]
 
     def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
-        return self._prefill_rows(prompts, self._new_layers(), RowBook(lengths=[0] * len(prompts)), capture)
+        return run_steps(self._prefill_steps(prompts, self._new_layers(), RowBook(lengths=[0] * len(prompts)), capture))
 
-    def _prefill_rows(self, prompts: list[Sequence[int]], solo: list, book: RowBook,
-                      capture: Capture) -> list[ForwardOutput]:
-        """Run ``prompts`` after ``solo``'s rows (``book``'s), as the single prefill does: the
-        chunks' logits are never evaluated, the last tokens' are; then add the rows to the batch."""
+    def _prefill_steps(self, prompts: list[Sequence[int]], solo: list, book: RowBook, capture: Capture):
+        """Run ``prompts`` after ``solo``'s rows (``book``'s), as the single prefill does (the
+        chunks' logits are never evaluated, the last tokens' are), yielding after each chunk; then
+        add the rows to the batch and return their outputs."""
         features, finals = [[] for _ in prompts], [[] for _ in prompts]
-        for blocks in prefill_blocks(prompts, max(1, self.join_tokens // len(prompts))):
-            logits, f, h = self._forward(blocks, solo, book, capture)
-            for row, block in enumerate(blocks):
+        blocks = list(prefill_blocks(prompts, self.join_tokens // len(prompts)))
+        for step, chunk in enumerate(blocks):
+            if step:
+                yield  # between chunks the batch may verify its rows
+            logits, f, h = self._forward(chunk, solo, book, capture)
+            for row, block in enumerate(chunk):
                 features[row].append(_row(f, row, len(block)))
                 finals[row].append(_row(h, row, len(block)))
             mx.eval(_arrays(solo) + [a for a in (f, h) if a is not None])

@@ -44,7 +44,8 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from speculant.backends.torch import batch_rows as rows
 from speculant.backends.torch.growing import GrowingLayer
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.core.batch import BatchedTarget, Restored, RowBook, prefill_blocks, visible_columns
+from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.batch_join import JoinSteps, prefill_blocks, run_steps
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
 
@@ -83,30 +84,45 @@ class TorchBatch(BatchedTarget):
 
     @torch.inference_mode()
     def _join_row(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> ForwardOutput:
+        """One forward (its logits_to_keep=1 spares the head the other rows)."""
+        solo, book = self._solo(restored)
         start = 0 if restored is None else restored[1]
-        if restored is None:  # one forward: its logits_to_keep=1 spares the head the other rows
-            solo, book = self._new_cache(), RowBook(lengths=[0])
-        else:  # the stored positions as a row of their own, then the rest run after them
-            solo, book = rows.restored(self, *restored), RowBook(lengths=[start])
         logits, features, final = self._run_blocks([token_ids[start:]], solo, book, capture)
         _keep_linear(solo, [len(token_ids) - start], len(token_ids) - start)
         self._merge(solo, book)
         return ForwardOutput(logits=logits[0], features=_row(features, 0), final_hidden=_row(final, 0))
 
-    @torch.inference_mode()
+    def _join_steps(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> JoinSteps:
+        start = 0 if restored is None else restored[1]
+        outs = yield from self._prefill_steps([token_ids[start:]], *self._solo(restored), capture)
+        return outs[0]
+
     def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
+        return run_steps(self._prefill_steps(prompts, self._new_cache(), RowBook(lengths=[0] * len(prompts)), capture))
+
+    def _solo(self, restored: Restored | None) -> tuple:
+        """A joining row's own cache and book: empty, or the stored positions (then the rest run after them)."""
+        if restored is None:
+            return self._new_cache(), RowBook(lengths=[0])
+        return rows.restored(self, *restored), RowBook(lengths=[restored[1]])
+
+    def _prefill_steps(self, prompts: list[Sequence[int]], solo, book: RowBook, capture: Capture):
         """The chunks (every prompt but its last token, right-padded) with one logit row each,
-        then the last tokens, whose logits are each row's."""
-        solo, book = self._new_cache(), RowBook(lengths=[0] * len(prompts))
+        then the last tokens, whose logits are each row's; yields after each but the last, then
+        adds the rows and returns their outputs."""
         features, finals = [[] for _ in prompts], [[] for _ in prompts]
-        for blocks in prefill_blocks(prompts, max(1, self.join_tokens // len(prompts))):
+        for step, blocks in enumerate(prefill_blocks(prompts, self.join_tokens // len(prompts))):
+            if step:
+                yield  # between chunks the batch may verify its rows
             widths = [len(block) for block in blocks]
-            logits, f, h = self._run_blocks(blocks, solo, book, capture)
-            _keep_linear(solo, widths, max(widths))  # (a hybrid's group has one length: no padding)
+            with torch.inference_mode():
+                logits, f, h = self._run_blocks(blocks, solo, book, capture)
+                _keep_linear(solo, widths, max(widths))  # (a hybrid's group has one length: no padding)
             for row, width in enumerate(widths):
                 features[row].append(_row(f, row, width))
                 finals[row].append(_row(h, row, width))
-        self._merge(solo, book)
+        with torch.inference_mode():
+            self._merge(solo, book)
         return [ForwardOutput(logits=logits[row], features=_cat(f), final_hidden=_cat(h))
                 for row, (f, h) in enumerate(zip(features, finals))]
 
