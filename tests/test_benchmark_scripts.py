@@ -95,6 +95,18 @@ def test_batch_generate_benchmark_reports_every_arm_and_identical_outputs(tmp_pa
     assert report["rows"][1]["spec_batched_cycles_mean"] > 0  # the three requests did verify batched
 
 
+def test_batch_joins_benchmark_reports_both_measurements(tmp_path, planted_pair):
+    """benchmarks/batch_joins.py: joining together against one by one (the same first tokens, or
+    it exits 1) and the waits while a long prompt joins, chunked and whole."""
+    config = tmp_path / "engine.json"
+    config.write_text(json.dumps({"backend": {"kind": "torch", "dtype": "float32"},
+                                  "target": {"path": str(planted_pair["target"])}}))
+    out = run("benchmarks/batch_joins.py", "--config", str(config), "--requests", "3", "--long-tokens", "30",
+              "--repeats", "1")
+    assert "joins  3 prompts" in out and "MISMATCH" not in out, out
+    assert "whole  : longest wait" in out and "chunked: longest wait" in out, out
+
+
 @pytest.mark.slow
 def test_adaptive_replay_records_and_replays_the_policy(tmp_path):
     """benchmarks/adaptive_replay.py (docs/history: where ``adaptive`` lost to the chain): the
