@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from speculant.api import load_engine  # noqa: E402
+from speculant.core.batch import BatchedTarget  # noqa: E402
 from speculant.core.loop import Loop  # noqa: E402
 from speculant.core.scheduler import Request, Scheduler  # noqa: E402
 from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
@@ -113,6 +114,32 @@ def test_every_drafter_batched_equals_its_solo_runs(pairs, kind, backend):  # no
     results = engine.run_many(prompt_ids=prompts, max_new_tokens=NEW, ignore_eos=True, max_batch=3)
     assert [r.token_ids for r in results] == want
     assert all(r.stats.batched_cycles > 0 for r in results[:3])  # the fourth may end up alone
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_every_drafter_equals_its_solo_runs_when_later_prompts_join_in_chunks(pairs, kind, backend,
+                                                                              monkeypatch):  # noqa: F811
+    """Prompts joining a decoding batch a chunk a cycle still hand the drafter every captured row."""
+    engine, prompts = load(pairs, kind, backend, compile="auto")
+    engine.batch_plan.enabled = False
+    monkeypatch.setattr(batch_class(backend), "join_tokens", 3)
+    begun = []
+    begin_join = BatchedTarget.begin_join
+    monkeypatch.setattr(BatchedTarget, "begin_join", lambda self, key, *args: begun.append(key) or
+                        begin_join(self, key, *args))
+    prompts = prompts + [prompts[0][3:], prompts[1][:9]]
+    lengths = [3 * NEW, NEW // 4, 3 * NEW, NEW // 4, NEW]  # they end apart: later prompts join rows that decode
+    want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, lengths)]
+    engine.prefix_store.max_bytes = 0  # else each prompt is restored from its solo run, its last token left to run
+    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, lengths)]
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    for key, request in enumerate(reqs):
+        request.key = key
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    assert [emitted[i] for i in range(len(prompts))] == want
+    assert len(begun) >= 2  # the prompts after the first two joined a chunk a cycle
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

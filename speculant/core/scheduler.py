@@ -175,8 +175,9 @@ class Scheduler:
             if join is None:  # one that ran alone, or a prompt storing a checkpoint on its way
                 yield from self._started(request, lambda: loop.into_batch(self.rows, request.key, self._capture()))
             elif decoding and 0 < self.rows.join_tokens < len(join[1]) - (join[2][1] if join[2] else 0):
+                pending = self.rows.begin_join(*join[:2], self._capture(), join[2])  # (captures for it too)
                 self.live.remove(request)  # it goes live again with its first token (_prefill_chunk)
-                self.prefilling.append((request, self.rows.begin_join(*join[:2], self._capture(), join[2])))
+                self.prefilling.append((request, pending))
             else:
                 planned.append(join)
                 together.append(request)
