@@ -94,7 +94,9 @@ class TorchBatch(BatchedTarget):
 
     def _join_steps(self, token_ids: Sequence[int], capture: Capture, restored: Restored | None) -> JoinSteps:
         start = 0 if restored is None else restored[1]
-        outs = yield from self._prefill_steps([token_ids[start:]], *self._solo(restored), capture)
+        with torch.inference_mode():  # (a generator's steps cannot run under one decorator)
+            solo, book = self._solo(restored)
+        outs = yield from self._prefill_steps([token_ids[start:]], solo, book, capture)
         return outs[0]
 
     def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
