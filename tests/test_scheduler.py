@@ -351,3 +351,24 @@ def test_a_request_cancelled_while_its_long_prompt_joins_frees_its_slot(family, 
     assert joiner.loop.stats.stop_reason == "cancelled" and emitted.get(1, []) == []
     assert emitted[0] == plain[4] and emitted[2] == plain[3]
     assert late.loop.stats.batched_cycles > 0 and not scheduler.prefilling and scheduler.rows is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_long_prompt_joining_beside_plain_rows_still_feeds_its_drafter(pairs, backend, monkeypatch):  # noqa: F811
+    """The rows a chunked join captures for its drafter are read with the joiner counted, so a
+    drafting request joining rows that all decode plainly still drafts from the target's states."""
+    engine, prompts = load(pairs, "dflash", backend, compile="auto")
+    engine.batch_plan.enabled = False
+    engine.prefix_store.max_bytes = 0
+    monkeypatch.setattr(batch_class(backend), "join_tokens", 3)
+    want = solo(engine, prompts[:2])
+    plain_row, joiner = requests(engine, prompts[:2])
+    plain_row.loop.speculating = False  # as the plan leaves a row that drafting does not pay for
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    scheduler.add(plain_row)
+    events = scheduler.run()
+    drain([next(events)], emitted)
+    scheduler.add(joiner)
+    drain(events, emitted)
+    assert [emitted[0], emitted[1]] == want
+    assert joiner.loop.stats.batched_cycles > 0 and np.mean(joiner.loop.stats.acceptance_lengths) > 2
