@@ -2,7 +2,7 @@
 interpreter: which BLAS ``libmlx.so`` binds is decided once, when mlx is first imported.
 
 Which library a product ran on is read from ``/proc/self/maps``: MKL's runtime library loads its
-kernels (``libmkl_sequential``, ``libmkl_core``) only when a BLAS call first reaches it."""
+CPU kernels (``libmkl_def``, ``libmkl_avx2``, ...) only when a product first reaches it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ import json, sys
 def mkl():
     return sorted({line.rsplit("/", 1)[-1].strip() for line in open("/proc/self/maps") if "libmkl" in line})
 """
+KERNELS = ("libmkl_def", "libmkl_avx", "libmkl_mc")  # the CPU's kernels: loaded at MKL's first product
+
+
+def ran_on_mkl(libraries: list[str]) -> bool:
+    return any(name.startswith(KERNELS) for name in libraries)
 
 
 def has_mkl() -> bool:
@@ -37,8 +42,8 @@ def has_mkl() -> bool:
 needs_mkl = pytest.mark.skipif(not has_mkl(), reason="the mkl package is not installed")
 
 
-def run(script: str, blas: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "SPECULANT_MLX_BLAS"}
+def run(script: str, blas: str | None = None, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECULANT_MLX_BLAS", "MKL_NUM_THREADS")} | extra
     if blas is not None:
         env["SPECULANT_MLX_BLAS"] = blas
     done = subprocess.run([sys.executable, "-c", MAPS + textwrap.dedent(script)], env=env,
@@ -61,8 +66,25 @@ def test_mkl_takes_the_reference_blas_place_under_mlx_and_torch_keeps_its_own():
         print(json.dumps({"note": note, "in_use": blas.in_use(), "after_torch": after_torch, "after_mlx": mkl()}))
     """)
     assert seen["note"].startswith("BLAS: libmkl_rt") and seen["in_use"].startswith("libmkl_rt")
-    assert "libmkl_sequential.so.3" not in seen["after_torch"], seen  # torch's products stay on its own BLAS
-    assert "libmkl_sequential.so.3" in seen["after_mlx"], seen  # MLX's reach MKL, one thread a call
+    assert not ran_on_mkl(seen["after_torch"]), seen  # torch's products stay on its own BLAS
+    assert ran_on_mkl(seen["after_mlx"]), seen  # MLX's reach MKL
+
+
+@needs_mkl
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one usable core: MKL runs sequentially")
+def test_mkl_spreads_a_product_over_the_cores_through_libgomp_unless_capped():
+    script = """
+        from speculant.backends.mlx import blas
+        note = blas.preload()
+        import mlx.core as mx
+        mx.eval(mx.ones((16, 64)) @ mx.ones((64, 32)))
+        print(json.dumps({"note": note, "after_mlx": mkl()}))
+    """
+    cores = len(os.sched_getaffinity(0))
+    threaded = run(script)
+    assert threaded["note"].endswith(f", {cores} threads") and "libmkl_gnu_thread.so.3" in threaded["after_mlx"], threaded
+    capped = run(script, MKL_NUM_THREADS="1")
+    assert capped["note"].endswith(", 1 thread") and "libmkl_sequential.so.3" in capped["after_mlx"], capped
 
 
 def test_off_or_mlx_imported_first_keeps_mlx_own_blas():
@@ -108,6 +130,6 @@ def test_on_mkl_speculative_and_batched_greedy_output_equals_plain_decoding():
         print(json.dumps({"fast_path": engine.target.fast_path, "spec": spec, "plain": alone, "batched": batched,
                           "after": mkl()}))
     """)
-    assert "BLAS: libmkl_rt" in seen["fast_path"] and "libmkl_sequential.so.3" in seen["after"], seen["fast_path"]
+    assert "BLAS: libmkl_rt" in seen["fast_path"] and ran_on_mkl(seen["after"]), seen["fast_path"]
     assert seen["spec"] == seen["plain"]
     assert seen["batched"] == seen["plain"]
