@@ -45,6 +45,7 @@ class PrefixRequest:
         self.row_key: Hashable = None
         self._began = False  # the caches hold this request's state (it was prefilled or joined a batch)
         self._start = 0  # a join's restored prompt tokens (its output covers the rest)
+        self._planned: dict = {}  # a plan planned_join made for join() to carry out
 
     # -- the prefill ------------------------------------------------------------------------
     def restore(self) -> int:
@@ -71,32 +72,36 @@ class PrefixRequest:
         the output over the whole prompt, as :meth:`prefill`'s. The row's state is stored from then
         on. A checkpoint at a shared prefix (see :meth:`prefill`) joins that prefix first, stores
         it, leaves, and joins again from it."""
-        planned = self.planned_join(rows, key)
-        if planned is not None:
-            return self.joined(rows.join_many([planned], capture)[0])
-        restored, start = self._restorable(rows)
-        split = self._checkpoint(start)
-        self.store.remember(self.key, self.prompt)
-        kept = list(self._features), list(self._final)
-        checkpoint = self._checkpoint_row(rows, key, capture, restored, split)
-        if checkpoint is None:  # not stored: the whole rest is run after all
-            self._features, self._final = kept
-        else:
-            restored, start = (checkpoint, split), split
-        self._start = start
+        restored, split = self._planned.pop(key, None) or self._plan(rows, key)
+        if split is not None:
+            kept = list(self._features), list(self._final)
+            checkpoint = self._checkpoint_row(rows, key, capture, restored, split)
+            if checkpoint is None:  # not stored: the whole rest is run after all
+                self._features, self._final = kept
+            else:
+                restored, self._start = (checkpoint, split), split
         return self.joined(rows.join(key, self.prompt, capture, restored))
 
     def planned_join(self, rows: "BatchedTarget", key: Hashable) -> "Join | None":
         """How to join the batch ``rows`` as row ``key`` (its prompt, the stored prefix it starts
         from), for the batch to run beside others' joins and hand the output to :meth:`joined`; None
         where the request must :meth:`join` alone (it stores a checkpoint on the way)."""
+        restored, split = self._plan(rows, key)
+        if split is None:
+            return key, self.prompt, restored
+        self._planned[key] = restored, split  # join() takes it from here (planning twice would see this prompt)
+        return None
+
+    def _plan(self, rows: "BatchedTarget", key: Hashable) -> tuple["Restored | None", int | None]:
+        """The stored prefix a join into ``rows`` starts from, and where it stores a checkpoint (or None)."""
         self.rows, self.row_key, self._began = rows, key, True
-        restored, self._start = self._restorable(rows) if self.active else (None, 0)
-        if self.active:
-            if self._checkpoint(self._start) is not None:
-                return None
-            self.store.remember(self.key, self.prompt)
-        return key, self.prompt, restored
+        if not self.active:
+            self._start = 0
+            return None, None
+        restored, self._start = self._restorable(rows)
+        split = self._checkpoint(self._start)
+        self.store.remember(self.key, self.prompt)
+        return restored, split
 
     def joined(self, out: ForwardOutput) -> ForwardOutput:
         """The output over the whole prompt, from the join's ``out`` (over the rows it ran)."""

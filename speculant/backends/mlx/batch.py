@@ -120,8 +120,7 @@ class MLXBatch(BatchedTarget):
         chunks' logits are never evaluated, the last tokens' are), yielding after each chunk; then
         add the rows to the batch and return their outputs."""
         features, finals = [[] for _ in prompts], [[] for _ in prompts]
-        blocks = list(prefill_blocks(prompts, self.join_tokens // len(prompts)))
-        for step, chunk in enumerate(blocks):
+        for step, chunk in enumerate(prefill_blocks(prompts, self.join_tokens // len(prompts))):
             if step:
                 yield  # between chunks the batch may verify its rows
             logits, f, h = self._forward(chunk, solo, book, capture)
