@@ -1,6 +1,6 @@
 """What requests joining a batch cost (issue #39; docs/batching.md, "Joining").
 
-Two measurements on one target (plain decoding, greedy), in one process:
+Three measurements on one target (plain decoding, greedy), in one process:
 
 - ``joins``: ``--requests`` prompts (batch_generate.py's code prompts) join a new batch in one
   ``BatchedTarget.join_many`` call (short prompts prefill as rows of one padded forward) against
@@ -10,9 +10,14 @@ Two measurements on one target (plain decoding, greedy), in one process:
   prompt each repeat, so the prefix cache restores nothing); the longest and the median wait
   between two chunks of the first request, with the long prompt joining a chunk of the batch's
   ``join_tokens`` between cycles (``chunked``) against the whole prompt at once (``whole``).
+- ``move``: a request with a ``--long-tokens`` prompt decodes alone (on the target's own cache)
+  until a short one arrives, then both decode batched; the wait between its two chunks around
+  that moment, with its caches copied into a batch row (``copied``) against rebuilt there by a
+  prefill of its context (``rebuilt``, the way before ``BatchedTarget.join_snapshot``). Both of
+  its outputs must be the same (printed loudly if not).
 
     python benchmarks/batch_joins.py [--backend torch|mlx] [--pair smollm2 | --config FILE]
-        [--requests 16] [--long-tokens 2000] [--repeats 3] [--threads 2]
+        [--requests 16] [--long-tokens 2000] [--repeats 3] [--threads 2] [--measure joins,long,move]
 """
 
 from __future__ import annotations
@@ -65,6 +70,33 @@ def chunk_gaps(engine, short: list[list[int]], long: list[int], chunked: bool) -
     return [b - a for a, b in zip(times, times[1:])]
 
 
+def move_wait(engine, long: list[int], short: list[int], copied: bool) -> tuple[float, list[int]]:
+    """Seconds between the long request's chunks as the short one arrives (it moves into a batch),
+    and its tokens."""
+    from speculant.core.loop import Loop
+    from speculant.core.scheduler import Request, Scheduler
+
+    batch_type = type(engine.target.new_batch())
+    kept = batch_type.join_snapshot
+    if not copied:
+        batch_type.join_snapshot = lambda self, key, snapshot: False  # the batch takes no copy: a prefill
+    try:
+        sampling, generation, block = engine._settings(24, {"ignore_eos": True})
+        first, second = (Request(Loop(engine, p, sampling, generation, block), (), key=i)
+                         for i, p in enumerate((long, short)))
+        scheduler, times, tokens = Scheduler(engine, max_batch=2), [], []
+        scheduler.add(first)
+        for request, chunk in scheduler.run():
+            if request.key == 0:
+                times.append(time.perf_counter())
+                tokens += chunk.token_ids
+                if len(times) == 4:  # decoding alone: now the short one arrives
+                    scheduler.add(second)
+    finally:
+        batch_type.join_snapshot = kept
+    return times[4] - times[3], tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("torch", "mlx"), default="torch")
@@ -75,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
+    parser.add_argument("--measure", default="joins,long,move", help="which measurements, comma-separated")
     args = parser.parse_args(argv)
+    measures = set(args.measure.split(","))
+    if not measures or measures - {"joins", "long", "move"}:
+        parser.error("--measure takes joins, long and move, comma-separated")
     args.mid = None
     if min(args.requests, args.long_tokens, args.repeats) < 1:
         parser.error("--requests, --long-tokens and --repeats must be at least 1")
@@ -92,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.backend} / {args.config or args.pair}: commit {commit()}, threads {args.threads}, "
           f"{args.repeats} repeats", flush=True)
 
+    runs = {"joins": measure_joins, "long": measure_long, "move": measure_move}
+    same = [runs[name](engine, prompts, text, args) for name in ("joins", "long", "move") if name in measures]
+    return 0 if all(same) else 1
+
+
+def measure_joins(engine, prompts: list[list[int]], text: list[int], args) -> bool:
     seconds, firsts = {True: [], False: []}, {}
     time_joins(engine, prompts[:2], True)  # warm-up
     for repeat in range(args.repeats):
@@ -103,20 +145,37 @@ def main(argv: list[str] | None = None) -> int:
           f"one each {alone:.3f} s, together {together:.3f} s, {alone / together:.2f}x", flush=True)
     if firsts[True] != firsts[False]:
         print("!!! MISMATCH: first tokens differ between joining together and alone", flush=True)
+    return firsts[True] == firsts[False]
 
+
+def measure_long(engine, prompts: list[list[int]], text: list[int], args) -> bool:
     gaps = {True: [], False: []}
-    short = prompts[:4]
     for repeat in range(args.repeats):
         for chunked in (False, True):
             at = (2 * repeat + chunked + 1) * 17  # a new long prompt each run: the prefix cache restores none
-            gaps[chunked].append(chunk_gaps(engine, short, text[at:at + args.long_tokens], chunked))
+            gaps[chunked].append(chunk_gaps(engine, prompts[:4], text[at:at + args.long_tokens], chunked))
     for chunked in (False, True):
         longest = statistics.median(max(g) for g in gaps[chunked])
         typical = statistics.median(statistics.median(g) for g in gaps[chunked])
         print(f"long   {args.long_tokens}-token prompt joining 4 decoding, {'chunked' if chunked else 'whole  '}: "
               f"longest wait {longest:.3f} s, median wait {typical:.3f} s", flush=True)
-    return 1 if firsts[True] != firsts[False] else 0
+    return True
 
+
+def measure_move(engine, prompts: list[list[int]], text: list[int], args) -> bool:
+    waits, outputs = {True: [], False: []}, {}
+    for repeat in range(args.repeats):
+        for copied in (False, True):
+            at = (repeat + 1) * 23  # the same prompt both ways (its prefill alone may be restored: not timed)
+            wait, outputs[copied, repeat] = move_wait(engine, text[at:at + args.long_tokens], prompts[0], copied)
+            waits[copied].append(wait)
+    for copied in (False, True):
+        print(f"move   a request with a {args.long_tokens}-token prompt moving into a batch, "
+              f"{'copied' if copied else 'rebuilt'}: wait {statistics.median(waits[copied]):.3f} s", flush=True)
+    same = all(outputs[True, r] == outputs[False, r] for r in range(args.repeats))
+    if not same:
+        print("!!! MISMATCH: the moving request's tokens differ between copied and rebuilt caches", flush=True)
+    return same
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from speculant.api import load_engine  # noqa: E402
 from speculant.core.batch import batch_problem  # noqa: E402
+from speculant.core.prefix_cache import CacheSnapshot  # noqa: E402
 from speculant.core.types import Capture, TargetInfo  # noqa: E402
 
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
@@ -313,6 +314,10 @@ def test_bad_calls_say_what_to_do(targets, backend):
     batch.join("a", [5, 6, 7])
     with pytest.raises(ValueError, match="already in the batch"):
         batch.join("a", [5])
+    foreign = CacheSnapshot(state=object(), length=3, nbytes=0, cuttable=True)  # no target of this backend took it
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.join_snapshot("a", foreign)
+    assert batch.join_snapshot("b", foreign) is False and batch.keys == ["a"]  # nothing added
     with pytest.raises(ValueError, match="needs its anchor"):
         batch.verify([[]])
     with pytest.raises(RuntimeError, match="no block was verified"):

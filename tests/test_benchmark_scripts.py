@@ -97,7 +97,8 @@ def test_batch_generate_benchmark_reports_every_arm_and_identical_outputs(tmp_pa
 
 def test_batch_joins_benchmark_reports_both_measurements(tmp_path, planted_pair):
     """benchmarks/batch_joins.py: joining together against one by one (the same first tokens, or
-    it exits 1) and the waits while a long prompt joins, chunked and whole."""
+    it exits 1), the waits while a long prompt joins, chunked and whole, and while a request that
+    ran alone moves into a batch, copied and rebuilt (the same tokens, or it exits 1)."""
     config = tmp_path / "engine.json"
     config.write_text(json.dumps({"backend": {"kind": "torch", "dtype": "float32"},
                                   "target": {"path": str(planted_pair["target"])}}))
@@ -105,6 +106,7 @@ def test_batch_joins_benchmark_reports_both_measurements(tmp_path, planted_pair)
               "--repeats", "1")
     assert "joins  3 prompts" in out and "MISMATCH" not in out, out
     assert "whole  : longest wait" in out and "chunked: longest wait" in out, out
+    assert "rebuilt: wait" in out and "copied: wait" in out, out
 
 
 @pytest.mark.slow

@@ -160,6 +160,7 @@ def test_a_request_running_alone_moves_into_the_batch(pairs, backend):  # noqa: 
     drain(events, emitted)
     assert [emitted[i] for i in range(len(prompts))] == want
     assert 0 < first.loop.stats.batched_cycles < first.loop.stats.verify_steps
+    assert first.loop.stats.cache_moves >= 1 and first.loop.stats.cache_rebuilds == 0  # copied in
 
 
 def test_a_lookup_row_without_a_copy_is_planned_as_a_plain_step(pairs):  # noqa: F811
@@ -279,20 +280,31 @@ def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_last_request_of_a_batch_goes_back_to_the_targets_own_cache(family, plain_tokens, backend):
-    plain = plain_tokens("gemma3_text", backend)
-    engine = planted(family("gemma3_text"), backend, plain)
-    short, long = requests(engine, [PROMPTS[0]], new=6)[0], requests(engine, [PROMPTS[1]], new=NEW)[0]
-    long.key = "long"
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_5"])
+def test_a_request_moves_its_caches_into_a_batch_and_back(family, plain_tokens, name, backend):
+    """A request running alone moves into a batch when another arrives, and back onto the
+    target's own cache when that one ends: its caches are copied both ways, not rebuilt by a
+    prefill of its context, and its tokens equal its solo run (dense, sliding-window and Gated
+    DeltaNet targets)."""
+    plain = plain_tokens(name, backend)
+    engine = planted(family(name), backend, plain)
+    long, short = requests(engine, [PROMPTS[1]], new=NEW)[0], requests(engine, [PROMPTS[0]], new=6)[0]
+    long.key = "long"  # rejected at 0 every cycle: a token a cycle, still going when the short one ends
     scheduler, emitted, alone = Scheduler(engine, max_batch=2), {}, []
-    scheduler.add(short)
     scheduler.add(long)
-    for request, chunk in scheduler.run():
+    events = scheduler.run()
+    for _ in range(3):  # alone, on the target's own cache
+        request, chunk = next(events)
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+    assert scheduler.rows is None
+    scheduler.add(short)
+    for request, chunk in events:
         emitted.setdefault(request.key, []).extend(chunk.token_ids)
         alone.append(scheduler.rows is None)
     assert emitted[0] == plain[0][:6] and emitted["long"] == plain[1]
-    assert alone[0] is False and alone[-1] is True  # batched at first, alone at the end
+    assert alone[0] is False and alone[-1] is True  # batched, then alone again
     assert 0 < long.loop.stats.batched_cycles < long.loop.stats.verify_steps
+    assert (long.loop.stats.cache_moves, long.loop.stats.cache_rebuilds) == (2, 0)
 
 
 def batch_class(backend: str):

@@ -99,14 +99,33 @@ class BatchedTarget(ABC):
         return self._join_row(token_ids, capture, restored)
         yield  # a generator with no chunk to wait between
 
+    def join_snapshot(self, key: Hashable, snapshot: CacheSnapshot) -> bool:
+        """Add sequence ``key`` as the last row holding all of ``snapshot``'s positions, with no
+        forward: a sequence that ran on the target's own cache moves in as it stands (a copy of
+        its caches, not a prefill of its context). False, with nothing added, where this batch
+        cannot restore ``snapshot``. Only between cycles."""
+        self._checked_keys([key])
+        if not self.can_restore(snapshot):
+            return False
+        self._add_snapshot(snapshot)
+        self.keys.append(key)
+        return True
+
+    def _add_snapshot(self, snapshot: CacheSnapshot) -> None:
+        """:meth:`join_snapshot`'s row; backends whose :meth:`can_restore` says yes implement it."""
+        raise NotImplementedError
+
     def _checked_joins(self, joins: Sequence[Join]) -> list[Hashable]:
-        keys = [key for key, _, _ in joins]
+        keys = self._checked_keys([key for key, _, _ in joins])
+        for key, token_ids, restored in joins:
+            check_prompt(key, token_ids, restored)
+        return keys
+
+    def _checked_keys(self, keys: list[Hashable]) -> list[Hashable]:
         for key in keys:
             if key in self.keys or key in self.pending or keys.count(key) > 1:
                 raise ValueError(f"sequence {key!r} is already in the batch")
         self._between_cycles("join")
-        for key, token_ids, restored in joins:
-            check_prompt(key, token_ids, restored)
         return keys
 
     @abstractmethod

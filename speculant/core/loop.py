@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Hashable, Iterator
 
 import numpy as np
 
+from speculant.core import batch_move
 from speculant.core.config import GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError
 from speculant.core.metrics import GenerationStats, target_name
@@ -25,6 +26,7 @@ from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, Dra
 if TYPE_CHECKING:
     from speculant.core.batch import BatchedTarget, Join
     from speculant.core.engine import Engine
+    from speculant.core.prefix_cache import CacheSnapshot
     from speculant.core.tree import DraftTree
 
 
@@ -57,24 +59,20 @@ class Loop:
         self.prompt_ids = prompt_ids
         self.sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k)
         seeds = np.random.SeedSequence(sampling_cfg.seed).spawn(2)
-        self.verify_rng = np.random.default_rng(seeds[0])
-        self.draft_rng = np.random.default_rng(seeds[1])
+        self.verify_rng, self.draft_rng = (np.random.default_rng(seed) for seed in seeds)
         self.max_new = generation.max_new_tokens
         self.stop_ids = engine._stop_ids(generation)
         self.block = block
         self.produced: list[int] = []
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self._stop_reason: str | None = None
-        self._t0 = time.perf_counter()
-        self._t_first: float | None = None
-        self._finished = False
+        self._t0, self._t_first, self._finished = time.perf_counter(), None, False
         self.plain_streak = 0  # batched cycles in a row the scheduler's plan gave no drafts
         self.batched = False  # verified in a batch (core/scheduler.py) rather than on the target's own cache
         self.limit = limit = engine.verifier.max_context  # from this context on the request decodes plainly
         self.timed = engine.time_phases or engine.verifier.needs_timings
         self.stats.phases_timed = self.timed
-        within = limit is None or len(prompt_ids) < limit
-        self.speculating = engine.drafter is not None and within
+        self.speculating = engine.drafter is not None and (limit is None or len(prompt_ids) < limit)
         self.position = len(prompt_ids)  # the target's cache length once the prompt is in
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(engine)
@@ -141,14 +139,14 @@ class Loop:
         """Verify in batch ``rows`` as row ``key`` from now on (core/scheduler.py; ``capture``: the
         rows its forwards capture); trees and drafting ahead end for this request. A new request
         joins from the longest stored prefix of its prompt (prefix_request.py) and returns its
-        first token; one that ran alone has its row rebuilt from the prompt and what it emitted but
-        the last (the next anchor), and the prefix store's recording ends for it."""
+        first token; one that ran alone moves its caches in (core/batch_move.py), and the prefix
+        store's recording ends for it."""
         self._batched()
-        if self.produced:
-            self.prefix.active = False
-            rows.join(key, list(self.prompt_ids) + self.produced[:-1], capture)
-            return []
-        return self._started(self.prefix.join(rows, key, capture))
+        if not self.produced:
+            return self._started(self.prefix.join(rows, key, capture))
+        self.prefix.active = False
+        batch_move.into_batch(self.e.target, rows, key, self._context(), capture, self.stats)
+        return []
 
     def planned_join(self, rows: "BatchedTarget", key: Hashable) -> "Join | None":
         """How this new request joins ``rows`` as row ``key`` beside others (``rows.join_many``, the
@@ -171,14 +169,17 @@ class Loop:
         self.prefix.prompt_done()
         return first
 
-    def out_of_batch(self) -> None:
-        """Back on the target's own cache, the last of a batch: the cache is rebuilt from the
-        prompt and the emitted tokens but the last, and drafting ahead may resume (trees need the
-        verifier's per-request choice, kept off)."""
+    def out_of_batch(self, snapshot: "CacheSnapshot | None") -> None:
+        """Back on the target's own cache, the last of a batch, from its row's ``snapshot``
+        (core/batch_move.py); drafting ahead may resume (trees need the verifier's per-request
+        choice, kept off)."""
         self.prefix.left_batch()
-        self.e.target.reset()
-        self.e.target.prefill(list(self.prompt_ids) + self.produced[:-1])
+        batch_move.out_of_batch(self.e.target, snapshot, self._context(), self.stats)
         self.draft_ahead = self.speculating and self._may_draft_ahead()
+
+    def _context(self) -> list[int]:
+        """What the caches hold between cycles: the prompt and the emitted tokens but the last (the next anchor)."""
+        return list(self.prompt_ids) + self.produced[:-1]
 
     def first(self, out: ForwardOutput) -> list[int]:
         """The first token from the prompt's prefill ``out`` (its logits and captured rows); the
@@ -388,12 +389,10 @@ class Loop:
         if self._t_first is not None:
             s.ttft_s = s.prefill_s = self._t_first - self._t0
             s.decode_s = end - self._t_first
-        s.new_tokens = len(self.produced)
-        s.stop_reason = self._stop_reason or "interrupted"
+        s.new_tokens, s.stop_reason = len(self.produced), self._stop_reason or "interrupted"
         s.peak_memory_bytes = self.e.backend.peak_memory_bytes()
         s.verifier = self.verifier.decisions()
-        s.fast_path = self.e.target.fast_path
-        s.draft_fast_path = None if self.drafter is None else self.drafter.fast_path
+        s.fast_path, s.draft_fast_path = self.e.target.fast_path, None if self.drafter is None else self.drafter.fast_path
         s.dtype, s.dtype_reason = self.e.backend.dtype_name, self.e.backend.dtype_reason
         s.target = target_name(self.e.target.info.path)
         self.prefix.finished(self.produced, s.stop_reason)

@@ -64,6 +64,9 @@ class GenerationStats:
     target: str = ""  # the target's name (target_name)
     batched_cycles: int = 0  # cycles verified in one forward beside other requests (core/scheduler.py)
     batch_note: str | None = None  # why this request could not speculate while batched, if so
+    # moves between the target's own cache and a batch row: caches copied, or rebuilt by a prefill
+    cache_moves: int = 0
+    cache_rebuilds: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -3,7 +3,7 @@
 
 A request alone runs on the target's own cache (``Loop.cycles``: the compiled paths, trees,
 drafting ahead, the prefix store). When a second one is admitted, the first moves into a
-:class:`~speculant.core.batch.BatchedTarget` row (its cache rebuilt there in one forward) and
+:class:`~speculant.core.batch.BatchedTarget` row (a copy of its caches) and
 every cycle from then on proposes per request, verifies every request's block in one forward,
 accepts per request (its own verifier state and random streams) and crops each row to its own
 accepted length. Requests join and leave between cycles; the cycle code is ``Loop.propose`` /
@@ -160,7 +160,7 @@ class Scheduler:
     def _join(self, *requests: Request) -> Iterator[tuple[Request, Chunk]]:
         """Add ``requests`` as rows: new ones are prefilled there (each from the longest stored
         prefix of its prompt; those the batch can, in one forward) and emit their first tokens;
-        one that ran alone has its cache rebuilt there (prompt and emitted tokens) in one forward."""
+        one that ran alone moves its caches in (Loop.into_batch)."""
         planned, together = [], []
         decoding = bool(self.rows.keys)  # rows that a long prompt's prefill would hold back
         for request in requests:
@@ -313,15 +313,17 @@ class Scheduler:
 
     def _maybe_alone(self) -> None:
         """The last request of a batch with tokens still to go moves back onto the target's own
-        cache (its fast paths), at the cost of one prefill of its context."""
+        cache (its fast paths): a copy of its row, or one prefill of its context where the
+        target cannot restore the row's snapshot."""
         if len(self.live) != 1 or self._waiting or self.prefilling:
             return
-        loop = self.live[0].loop
+        loop, key = self.live[0].loop, self.live[0].key
         if loop.ended or loop.max_new - len(loop.produced) < ALONE_AFTER:
             return
-        self.rows.leave(self.live[0].key)
+        snapshot = self.rows.snapshot(key)
+        self.rows.leave(key)
         self.rows = None
-        loop.out_of_batch()
+        loop.out_of_batch(snapshot)
 
     def _leave_ended(self) -> Iterator[tuple[Request, Chunk]]:
         ended = [r for r in self.live if r.loop.ended]

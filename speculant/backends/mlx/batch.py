@@ -128,6 +128,13 @@ class MLXBatch(BatchedTarget):
                 features[row].append(_row(f, row, len(block)))
                 finals[row].append(_row(h, row, len(block)))
             mx.eval(_arrays(solo) + [a for a in (f, h) if a is not None])
+        self._add(solo, book)
+        self._settle(logits)
+        return [ForwardOutput(logits=logits[row], features=_join(f), final_hidden=_join(h))
+                for row, (f, h) in enumerate(zip(features, finals))]
+
+    def _add(self, solo: list, book: RowBook) -> None:
+        """Add the rows of ``solo`` (``book``'s) below the batch's."""
         self.book.extend(book)
         for layer, new in zip(_attention(self.layers), _attention(solo)):
             layer.append_rows(new, self.book.columns)
@@ -136,9 +143,10 @@ class MLXBatch(BatchedTarget):
                 layer.cache = list(new.cache)
             else:
                 layer.extend(new)
-        self._settle(logits)
-        return [ForwardOutput(logits=logits[row], features=_join(f), final_hidden=_join(h))
-                for row, (f, h) in enumerate(zip(features, finals))]
+
+    def _add_snapshot(self, snapshot: CacheSnapshot) -> None:
+        self._add(rows.restored(self, snapshot, snapshot.length), RowBook(lengths=[snapshot.length]))
+        mx.eval(_arrays(self.layers))
 
     def can_restore(self, snapshot: CacheSnapshot) -> bool:
         return rows.restorable(snapshot)

@@ -132,6 +132,10 @@ class TorchBatch(BatchedTarget):
         return rows.restorable(snapshot)
 
     @torch.inference_mode()
+    def _add_snapshot(self, snapshot: CacheSnapshot) -> None:
+        self._merge(rows.restored(self, snapshot, snapshot.length), RowBook(lengths=[snapshot.length]))
+
+    @torch.inference_mode()
     def snapshot(self, key: Hashable) -> CacheSnapshot | None:
         return rows.snapshot(self, self.keys.index(key))
 
