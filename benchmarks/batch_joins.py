@@ -1,11 +1,14 @@
 """What requests joining a batch cost (issue #39; docs/batching.md, "Joining").
 
-Three measurements on one target (plain decoding, greedy), in one process:
+Four measurements on one target (plain decoding, greedy), in one process:
 
 - ``joins``: ``--requests`` prompts (batch_generate.py's code prompts) join a new batch in one
   ``BatchedTarget.join_many`` call (short prompts prefill as rows of one padded forward) against
   one ``join`` each; seconds, medians over ``--repeats``, the two arms alternating. Each request's
   first token must be the same either way (printed loudly if not).
+- ``shared``: the same, each prompt behind a ``--shared-tokens`` system prompt that a snapshot
+  of the target restores (as the prefix cache does): the rows restoring it prefill their own
+  tokens together (``join_many``) against one ``join`` each.
 - ``long``: four requests decode in a scheduler while a ``--long-tokens`` prompt joins (a new
   prompt each repeat, so the prefix cache restores nothing); the longest and the median wait
   between two chunks of the first request, with the long prompt joining a chunk of the batch's
@@ -17,7 +20,8 @@ Three measurements on one target (plain decoding, greedy), in one process:
   its outputs must be the same (printed loudly if not).
 
     python benchmarks/batch_joins.py [--backend torch|mlx] [--pair smollm2 | --config FILE]
-        [--requests 16] [--long-tokens 2000] [--repeats 3] [--threads 2] [--measure joins,long,move]
+        [--requests 16] [--long-tokens 2000] [--shared-tokens 300] [--repeats 3] [--threads 2]
+        [--measure joins,shared,long,move]
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_generate import commit, engine_config, prompts_for  # noqa: E402
 
 
-def time_joins(engine, prompts: list[list[int]], together: bool) -> tuple[float, list[int]]:
-    """Seconds for ``prompts`` to join a new batch, and each one's first (greedy) token."""
+def time_joins(engine, prompts: list[list[int]], together: bool, restored=None) -> tuple[float, list[int]]:
+    """Seconds for ``prompts`` to join a new batch (each after ``restored``, a stored prefix, where
+    given), and each one's first (greedy) token."""
     batch = engine.target.new_batch()
     start = time.perf_counter()
     if together:
-        outs = batch.join_many([(i, p, None) for i, p in enumerate(prompts)])
+        outs = batch.join_many([(i, p, restored) for i, p in enumerate(prompts)])
     else:
-        outs = [batch.join(i, p) for i, p in enumerate(prompts)]
+        outs = [batch.join(i, p, restored=restored) for i, p in enumerate(prompts)]
     firsts = [int(engine.backend.ops.to_numpy(out.logits[-1]).argmax()) for out in outs]
     return time.perf_counter() - start, firsts
 
@@ -107,14 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
-    parser.add_argument("--measure", default="joins,long,move", help="which measurements, comma-separated")
+    parser.add_argument("--shared-tokens", type=int, default=300)
+    parser.add_argument("--measure", default="joins,shared,long,move", help="which measurements, comma-separated")
     args = parser.parse_args(argv)
     measures = set(args.measure.split(","))
-    if not measures or measures - {"joins", "long", "move"}:
-        parser.error("--measure takes joins, long and move, comma-separated")
+    if not measures or measures - {"joins", "shared", "long", "move"}:
+        parser.error("--measure takes joins, shared, long and move, comma-separated")
     args.mid = None
-    if min(args.requests, args.long_tokens, args.repeats) < 1:
-        parser.error("--requests, --long-tokens and --repeats must be at least 1")
+    if min(args.requests, args.long_tokens, args.shared_tokens, args.repeats) < 1:
+        parser.error("--requests, --long-tokens, --shared-tokens and --repeats must be at least 1")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -128,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.backend} / {args.config or args.pair}: commit {commit()}, threads {args.threads}, "
           f"{args.repeats} repeats", flush=True)
 
-    runs = {"joins": measure_joins, "long": measure_long, "move": measure_move}
-    same = [runs[name](engine, prompts, text, args) for name in ("joins", "long", "move") if name in measures]
+    runs = {"joins": measure_joins, "shared": measure_shared, "long": measure_long, "move": measure_move}
+    same = [run(engine, prompts, text, args) for name, run in runs.items() if name in measures]
     return 0 if all(same) else 1
 
 
@@ -143,6 +149,27 @@ def measure_joins(engine, prompts: list[list[int]], text: list[int], args) -> bo
     alone, together = statistics.median(seconds[False]), statistics.median(seconds[True])
     print(f"joins  {args.requests} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens: "
           f"one each {alone:.3f} s, together {together:.3f} s, {alone / together:.2f}x", flush=True)
+    if firsts[True] != firsts[False]:
+        print("!!! MISMATCH: first tokens differ between joining together and alone", flush=True)
+    return firsts[True] == firsts[False]
+
+
+def measure_shared(engine, prompts: list[list[int]], text: list[int], args) -> bool:
+    """``joins`` for prompts behind a ``--shared-tokens`` system prompt that a snapshot restores."""
+    system = text[:args.shared_tokens]
+    engine.target.reset()
+    engine.target.prefill(system)
+    stored = (engine.target.snapshot(), len(system))
+    behind = [system + p for p in prompts]
+    seconds, firsts = {True: [], False: []}, {}
+    time_joins(engine, behind[:2], True, stored)  # warm-up
+    for repeat in range(args.repeats):
+        for together in ((False, True) if repeat % 2 == 0 else (True, False)):
+            s, firsts[together] = time_joins(engine, behind, together, stored)
+            seconds[together].append(s)
+    alone, together = statistics.median(seconds[False]), statistics.median(seconds[True])
+    print(f"shared {args.requests} prompts behind a restored {len(system)}-token prefix: one each {alone:.3f} s, "
+          f"together {together:.3f} s, {alone / together:.2f}x", flush=True)
     if firsts[True] != firsts[False]:
         print("!!! MISMATCH: first tokens differ between joining together and alone", flush=True)
     return firsts[True] == firsts[False]

@@ -198,8 +198,8 @@ def test_sequences_joining_together_equal_their_solo_runs(targets, name, backend
     solo = {key: solo_tokens(engine, prompt) for key, (prompt, _, _) in TOGETHER.items()}
     cls, grouped = batch_class(backend), []
     join_rows = cls._join_rows
-    monkeypatch.setattr(cls, "_join_rows", lambda self, prompts, capture:
-                        grouped.append(sorted(map(len, prompts))) or join_rows(self, prompts, capture))
+    monkeypatch.setattr(cls, "_join_rows", lambda self, prompts, capture, restored=None:
+                        grouped.append(sorted(map(len, prompts))) or join_rows(self, prompts, capture, restored))
     batch = cls(engine.target)
     got, accepted = batched_greedy(batch, solo, sequences=TOGETHER, join_many=True)
     assert got == solo

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from speculant.core.batch import RowBook
-from speculant.core.batch_join import join_groups
+from speculant.core.batch_join import join_groups, join_plan
 
 
 def test_rows_keep_their_own_positions_through_blocks_crops_and_compaction():
@@ -72,3 +72,11 @@ def test_joining_prompts_group_within_the_budget_and_padding_at_most_doubling_th
     assert join_groups([40, 2, 2, 2], budget=512) == [[0], [1, 2, 3]]
     assert join_groups([3, 9, 3, 9], budget=512, equal=True) == [[0, 2], [1, 3]]
     assert join_groups([5, 6], budget=0) == [[0], [1]]  # a batch that prefills each alone
+
+
+def test_prompts_restoring_stored_prefixes_group_among_themselves_by_what_they_run():
+    stored = object()  # (a snapshot: only its restored length counts here)
+    joins = [("a", [1] * 5, None), ("b", [1] * 44, (stored, 40)), ("c", [1] * 6, None), ("d", [1] * 39, (stored, 36)),
+             ("e", [1] * 41, (stored, 40))]  # run: 5, 4, 6, 3, 1
+    assert join_plan(joins, budget=512) == [[0, 2], [3, 1], [4]]
+    assert join_plan(joins, budget=512, equal=True) == [[0], [1], [2], [3], [4]]

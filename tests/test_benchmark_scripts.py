@@ -103,8 +103,9 @@ def test_batch_joins_benchmark_reports_both_measurements(tmp_path, planted_pair)
     config.write_text(json.dumps({"backend": {"kind": "torch", "dtype": "float32"},
                                   "target": {"path": str(planted_pair["target"])}}))
     out = run("benchmarks/batch_joins.py", "--config", str(config), "--requests", "3", "--long-tokens", "30",
-              "--repeats", "1")
+              "--repeats", "1", "--shared-tokens", "20")
     assert "joins  3 prompts" in out and "MISMATCH" not in out, out
+    assert "shared 3 prompts behind a restored 20-token prefix" in out, out
     assert "whole  : longest wait" in out and "chunked: longest wait" in out, out
     assert "rebuilt: wait" in out and "copied: wait" in out, out
 

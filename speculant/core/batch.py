@@ -13,7 +13,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from speculant.core.batch_join import Join, JoinSteps, PendingJoin, Restored, check_prompt, join_groups
+from speculant.core.batch_join import Join, JoinSteps, PendingJoin, Restored, check_prompt, join_plan
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
 
@@ -69,18 +69,19 @@ class BatchedTarget(ABC):
 
     def join_many(self, joins: Sequence[Join], capture: Capture = Capture()) -> list[ForwardOutput]:
         """:meth:`join` for each of ``joins`` ((key, token_ids, restored) each), the outputs in
-        their order. Short prompts with nothing restored are prefilled together, right-padded, in
-        one forward a group (:func:`join_groups`): a burst of requests costs a few forwards, not one
-        each. The keys go into :attr:`keys` group by group, so read the rows' order from there."""
+        their order. Short prompts are prefilled together, right-padded, in one forward a group
+        (:func:`join_plan`; those restoring stored prefixes together, each after its own): a burst of
+        requests costs a few forwards, not one each. The keys go into :attr:`keys` group by group, so read the rows' order from there."""
         keys = self._checked_joins(joins)
         outs: list[ForwardOutput | None] = [None] * len(joins)
-        lengths = [len(t) if r is None else 0 for _, t, r in joins]  # 0: joins alone
-        for group in join_groups(lengths, self.join_tokens, equal=self._joins_need_equal_lengths()):
+        for group in join_plan(joins, self.join_tokens, equal=self._joins_need_equal_lengths()):
             if len(group) == 1:
                 _, token_ids, restored = joins[group[0]]
                 outs[group[0]] = self._join_row(token_ids, capture, restored)
             else:
-                for i, out in zip(group, self._join_rows([joins[i][1] for i in group], capture)):
+                restored = [joins[i][2] for i in group]
+                rows = self._join_rows([joins[i][1] for i in group], capture, None if restored[0] is None else restored)
+                for i, out in zip(group, rows):
                     outs[i] = out
             self.keys += [keys[i] for i in group]
         return outs
@@ -107,12 +108,13 @@ class BatchedTarget(ABC):
         self._checked_keys([key])
         if not self.can_restore(snapshot):
             return False
-        self._add_snapshot(snapshot)
+        self._add_snapshot(snapshot, snapshot.length)
         self.keys.append(key)
         return True
 
-    def _add_snapshot(self, snapshot: CacheSnapshot) -> None:
-        """:meth:`join_snapshot`'s row; backends whose :meth:`can_restore` says yes implement it."""
+    def _add_snapshot(self, snapshot: CacheSnapshot, length: int) -> None:
+        """A row holding ``snapshot``'s first ``length`` positions; backends whose
+        :meth:`can_restore` says yes implement it."""
         raise NotImplementedError
 
     def _checked_joins(self, joins: Sequence[Join]) -> list[Hashable]:
@@ -134,9 +136,11 @@ class BatchedTarget(ABC):
 
     join_tokens = 0  # a joining group's padded tokens per forward (0: every sequence joins alone)
 
-    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
-        """Rows for ``prompts`` (two or more, at least two tokens each) prefilled together; each
-        one's output as :meth:`_join_row`'s. Backends with ``join_tokens`` set implement it."""
+    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture,
+                   restored: list[Restored] | None = None) -> list[ForwardOutput]:
+        """Rows for ``prompts`` (two or more, at least two tokens each to run) prefilled together,
+        each after its ``restored`` prefix where given; each one's output as :meth:`_join_row`'s.
+        Backends with ``join_tokens`` set implement it."""
         raise NotImplementedError
 
     def _joins_need_equal_lengths(self) -> bool:

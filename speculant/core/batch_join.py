@@ -43,6 +43,17 @@ def join_groups(lengths: Sequence[int], budget: int, equal: bool = False) -> lis
     return sorted(groups, key=min)
 
 
+def join_plan(joins: Sequence[Join], budget: int, equal: bool = False) -> list[list[int]]:
+    """:func:`join_groups` of ``joins`` by the tokens each has to run: those with nothing restored
+    group among themselves, and so do those restoring a stored prefix (each row after its own
+    restored positions); in order of their first member."""
+    fresh = [len(t) if r is None else 0 for _, t, r in joins]
+    rest = [0 if r is None else len(t) - r[1] for _, t, r in joins]
+    groups = [g for g in join_groups(fresh, budget, equal) if joins[g[0]][2] is None]
+    groups += [g for g in join_groups(rest, budget, equal) if joins[g[0]][2] is not None]
+    return sorted(groups, key=min)
+
+
 def prefill_blocks(prompts: Sequence[Sequence[int]], step: int) -> Iterator[list[list[int]]]:
     """The blocks that prefill ``prompts`` as rows of one batch: every prompt but its last token, in
     chunks of at most ``step`` columns (0: one chunk; a row that has run out gets an empty block),

@@ -112,8 +112,17 @@ class MLXBatch(BatchedTarget):
             outs = yield from self._prefill_steps([token_ids[start:]], solo, book, capture)
         return outs[0]
 
-    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
-        return run_steps(self._prefill_steps(prompts, self._new_layers(), RowBook(lengths=[0] * len(prompts)), capture))
+    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture,
+                   restored: list[Restored] | None = None) -> list[ForwardOutput]:
+        if restored is None:
+            return run_steps(self._prefill_steps(prompts, self._new_layers(), RowBook(lengths=[0] * len(prompts)),
+                                                 capture))
+        group = MLXBatch(self.target)  # the stored rows, one below another, then the rest run after them
+        for key, (snapshot, length) in enumerate(restored):
+            group._add_snapshot(snapshot, length)
+            group.keys.append(key)
+        rests = [prompt[length:] for prompt, (_, length) in zip(prompts, restored)]
+        return run_steps(self._prefill_steps(rests, group.layers, group.book, capture))
 
     def _prefill_steps(self, prompts: list[Sequence[int]], solo: list, book: RowBook, capture: Capture):
         """Run ``prompts`` after ``solo``'s rows (``book``'s), as the single prefill does (the
@@ -144,8 +153,8 @@ class MLXBatch(BatchedTarget):
             else:
                 layer.extend(new)
 
-    def _add_snapshot(self, snapshot: CacheSnapshot) -> None:
-        self._add(rows.restored(self, snapshot, snapshot.length), RowBook(lengths=[snapshot.length]))
+    def _add_snapshot(self, snapshot: CacheSnapshot, length: int) -> None:
+        self._add(rows.restored(self, snapshot, length), RowBook(lengths=[length]))
         mx.eval(_arrays(self.layers))
 
     def can_restore(self, snapshot: CacheSnapshot) -> bool:

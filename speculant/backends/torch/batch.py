@@ -99,8 +99,17 @@ class TorchBatch(BatchedTarget):
         outs = yield from self._prefill_steps([token_ids[start:]], solo, book, capture)
         return outs[0]
 
-    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture) -> list[ForwardOutput]:
-        return run_steps(self._prefill_steps(prompts, self._new_cache(), RowBook(lengths=[0] * len(prompts)), capture))
+    def _join_rows(self, prompts: list[Sequence[int]], capture: Capture,
+                   restored: list[Restored] | None = None) -> list[ForwardOutput]:
+        if restored is None:
+            return run_steps(self._prefill_steps(prompts, self._new_cache(), RowBook(lengths=[0] * len(prompts)),
+                                                 capture))
+        group = type(self)(self.target)  # the stored rows, one below another, then the rest run after them
+        for key, (snapshot, length) in enumerate(restored):
+            group._add_snapshot(snapshot, length)
+            group.keys.append(key)
+        rests = [prompt[length:] for prompt, (_, length) in zip(prompts, restored)]
+        return run_steps(self._prefill_steps(rests, group.cache, group.book, capture))
 
     def _solo(self, restored: Restored | None) -> tuple:
         """A joining row's own cache and book: empty, or the stored positions (then the rest run after them)."""
@@ -132,8 +141,8 @@ class TorchBatch(BatchedTarget):
         return rows.restorable(snapshot)
 
     @torch.inference_mode()
-    def _add_snapshot(self, snapshot: CacheSnapshot) -> None:
-        self._merge(rows.restored(self, snapshot, snapshot.length), RowBook(lengths=[snapshot.length]))
+    def _add_snapshot(self, snapshot: CacheSnapshot, length: int) -> None:
+        self._merge(rows.restored(self, snapshot, length), RowBook(lengths=[length]))
 
     @torch.inference_mode()
     def snapshot(self, key: Hashable) -> CacheSnapshot | None:
