@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from speculant.api import load_engine  # noqa: E402
 from speculant.core.batch import batch_problem  # noqa: E402
 from speculant.core.prefix_cache import CacheSnapshot  # noqa: E402
+from speculant.core.tree import DraftTree  # noqa: E402
 from speculant.core.types import Capture, TargetInfo  # noqa: E402
 
 BACKEND = {"kind": "torch", "device": "cpu", "dtype": "float32"}
@@ -240,6 +241,46 @@ def test_each_rows_logits_and_states_equal_a_solo_forward(targets, name, backend
 
     batched_greedy(target.new_batch(), solo, check)
     assert set(compared) == set(SEQUENCES)
+
+
+# per row: its prompt, its tree (node 0 the anchor; None: a chain) and the accepted path (node indices)
+TREE_ROWS = {
+    "tree": (list(range(5, 27)), DraftTree((40, 41, 42, 43, 44, 45, 46), (-1, 0, 0, 1, 2, 3, 1)), (0, 2, 4)),
+    "chain": (list(range(30, 37)), None, (0, 1)),
+    "deep": (list(range(60, 90)), DraftTree((50, 51, 52, 53, 54), (-1, 0, 1, 1, 3)), (0, 1, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_tree_rows_equal_their_solo_tree_forward_and_commit(targets, name, backend):
+    """Rows verifying trees beside a chain row: each tree row's logits and captured states equal
+    the target's own ``forward_tree`` after the same prompt; after the crop keeps each row's path,
+    the next block of every row equals the target's after ``commit_tree`` of that path (dense, and
+    sliding windows crossed by the longer prompts)."""
+    engine = engine_for(targets(name), backend)
+    target, ops = engine.target, engine.backend
+    batch = target.new_batch()
+    assert batch.tree_problem() is None
+    for key, (prompt, _, _) in TREE_ROWS.items():
+        batch.join(key, prompt, CAPTURE)
+    blocks = [list(tree.tokens) if tree else [7, 8, 9] for _, tree, _ in TREE_ROWS.values()]
+    outs = batch.verify(blocks, CAPTURE, [tree for _, tree, _ in TREE_ROWS.values()])
+    batch.crop([len(p) + len(path) for p, _, path in TREE_ROWS.values()], [path if tree else None
+                                                                        for _, tree, path in TREE_ROWS.values()])
+    after = batch.verify([[11, 12, 13]] * len(TREE_ROWS), CAPTURE)
+    for (prompt, tree, path), block, out, next_out in zip(TREE_ROWS.values(), blocks, outs, after):
+        target.reset()
+        target.prefill(prompt, CAPTURE)
+        if tree is None:
+            alone = target.forward(ops.int_array(block), CAPTURE)
+            target.crop(len(prompt) + len(path))
+        else:
+            alone = target.forward_tree(tree, CAPTURE)
+            target.commit_tree(len(prompt), path)
+        for got, want in ((out.logits, alone.logits), (out.features, alone.features), (next_out.logits,
+                          target.forward(ops.int_array([11, 12, 13]), CAPTURE).logits)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
 
 
 def test_a_crop_that_keeps_another_rows_length_breaks_identity(targets, monkeypatch):

@@ -1,11 +1,11 @@
-"""core.batch.RowBook, the row bookkeeping both backends' batches share (no array library)."""
+"""core.batch_book.RowBook, the row bookkeeping both backends' batches share (no array library)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from speculant.core.batch import RowBook
+from speculant.core.batch_book import RowBook
 from speculant.core.batch_join import join_groups, join_plan
 
 

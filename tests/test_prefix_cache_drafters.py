@@ -106,3 +106,27 @@ def test_the_drafting_check_fails_without_the_prefix_rows(pairs, kind, backend, 
     resumed, cold, worst = resumed_and_cold(pairs, kind, backend)
     assert worst > 1e-2
     assert resumed.token_ids == cold.token_ids  # lossless all the same
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_turn_after_tree_cycles_resumes_the_rows_of_their_paths(pairs, backend):
+    """A request verifying trees stores its state when it ends, with the captured rows of each
+    tree's accepted path (the ones its caches kept); the next turn (its prompt, answer and more)
+    resumes it, and its drafter starts from the rows a cold prefill gives."""
+    target, drafter, prompt = pairs["dflash2"]
+    config = {"backend": {"kind": backend, "device": "cpu", "dtype": "float32"}, "target": {"path": str(target)},
+              "drafter": drafter, "verifier": {"kind": "tree", "options": {"budget": 8}}}
+    engine = speculant.load_engine(config)
+    rows = record_prefill(engine.drafter)
+    first = engine.run(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True, block_size=8)
+    assert first.stats.verifier["trees"] > 0
+    turn = prompt + first.token_ids + [3, 4, 5]
+    resumed = engine.run(prompt_ids=turn, max_new_tokens=NEW, ignore_eos=True, block_size=8)
+    assert resumed.stats.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    engine.prefix_store.clear()
+    cold = engine.run(prompt_ids=turn, max_new_tokens=NEW, ignore_eos=True, block_size=8)
+    got, want = rows[1][0], rows[2][0]
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) < 1e-4
+    assert resumed.token_ids == cold.token_ids
+    assert resumed.stats.acceptance_lengths == cold.stats.acceptance_lengths

@@ -232,13 +232,18 @@ def test_a_target_that_cannot_batch_takes_turns(family, plain_tokens, monkeypatc
     assert all(r.loop.stats.batched_cycles == 0 for r in reqs)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
-def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name):
+TREES = {"kind": "tree", "options": {"budget": 6, "width": 2}}
+
+
+@pytest.mark.parametrize(("name", "verifier"), [("llama", "speculative_sampling"), ("qwen3_5", "speculative_sampling"),
+                                                ("llama", "tree")])
+def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name, verifier):
     """The first two tokens of requests sampled at temperature 1, verified in a batch beside two
     greedy requests, follow the target's own two-token law (chi-square over many seeds). Each
     batch holds six sampled requests with seeds of their own (six times fewer batches to run);
     rows that drew the same numbers would repeat each sample six times, which the chi-square test
-    rejects for a law as spread out as this random target's."""
+    rejects for a law as spread out as this random target's. With the tree verifier the second
+    token comes from a tree's root (sample and match) verified in the batch."""
     from speculant.core.sampling import target_probs
     from speculant.core.types import SamplingParams
     from stats_helpers import gof_pvalue
@@ -246,7 +251,9 @@ def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name):
     target = family(name)
     drafter = {"kind": "planted", "options": {"script": [], "mistakes": [-1]}, "block_size": 4}
     engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(target)}, "drafter": drafter,
-                          "verifier": {"kind": "speculative_sampling"}}, registry=registry_with_planted())
+                          "verifier": TREES if verifier == "tree" else {"kind": verifier}},
+                         registry=registry_with_planted())
+    engine.batch_plan.enabled = False  # every row drafts from the first cycle: the second token is verified
     prompt, ops = PROMPTS[1], engine.backend.ops
 
     def next_probs(ids):
@@ -271,6 +278,7 @@ def test_a_sampled_request_beside_greedy_ones_follows_the_target(family, name):
         drain(scheduler.run(), emitted)
         for request in sampled:
             assert request.loop.stats.batched_cycles > 0
+            assert verifier != "tree" or request.loop.stats.verifier["trees"] > 0
             a, b = emitted[request.key][:2]
             firsts.append(a)
             if a == top:

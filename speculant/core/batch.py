@@ -9,13 +9,15 @@ cycles. Arrays are the backend's, handled through its ``ArrayOps`` as everywhere
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
-import numpy as np
-
+from speculant.core.batch_book import RowBook
 from speculant.core.batch_join import Join, JoinSteps, PendingJoin, Restored, check_prompt, join_plan
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput, TargetInfo
+
+if TYPE_CHECKING:
+    from speculant.core.tree import DraftTree
 
 
 _BATCHED_KINDS = ("full_attention", "sliding_attention", "linear_attention")
@@ -185,215 +187,38 @@ class BatchedTarget(ABC):
         """Drop rows ``rows``' caches and bookkeeping (``keys`` no longer has them; some rows remain)."""
 
     @abstractmethod
-    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
+    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture(),
+               trees: Sequence["DraftTree | None"] | None = None) -> list[ForwardOutput]:
         """Run ``blocks[i]`` (anchor + drafts of ``keys[i]``, one token or more) after each
-        sequence's cache, in one forward; per sequence, the logits and captured states of its rows."""
+        sequence's cache, in one forward; per sequence, the logits and captured states of its rows.
+        A sequence given ``trees[i]`` (its block: the tree's tokens, node order) runs it as a tree:
+        node ``j`` at the sequence's length + its depth, seeing its ancestors only among the
+        block's rows (where :meth:`tree_problem` is None)."""
 
     @abstractmethod
-    def crop(self, lengths: Sequence[int]) -> None:
+    def crop(self, lengths: Sequence[int], paths: Sequence[Sequence[int] | None] | None = None) -> None:
         """After :meth:`verify`: keep each sequence's first ``lengths[i]`` positions, between its
-        length before the block and that plus the block's width (its own accepted length)."""
+        length before the block and that plus the block's width (its own accepted length); a tree
+        row keeps its accepted ``paths[i]`` (node indices, root first), as a chain over that path."""
 
-    def _checked_widths(self, blocks: Sequence[Sequence[int]]) -> list[int]:
-        """Each block's width, after checking there is one block per sequence, each with its anchor."""
+    def tree_problem(self) -> str | None:
+        """Why this batch's sequences cannot verify trees (they verify chains), or None."""
+        if "linear_attention" in (self.target.info.layer_types or ()):
+            return "a batch verifies chains on Gated DeltaNet targets (no recurrent state per tree node in a batch)"
+        return self.target.tree_problem()
+
+    def _checked_widths(self, blocks: Sequence[Sequence[int]], trees=None) -> list[int]:
+        """Each block's width, after checking there is one block per sequence, each with its anchor
+        (and, for a tree row, its tree's tokens)."""
         if len(blocks) != len(self.keys):
             raise ValueError(f"verify got {len(blocks)} blocks for a batch of {len(self.keys)} sequences")
         widths = [len(block) for block in blocks]
         if min(widths, default=0) < 1:
             raise ValueError(f"every sequence's block needs its anchor token; widths were {widths}")
+        if trees is not None and any(tree is not None for tree in trees):
+            if self.tree_problem() is not None:
+                raise ValueError(f"this batch cannot verify trees: {self.tree_problem()}")
+            for key, block, tree in zip(self.keys, blocks, trees):
+                if tree is not None and list(block) != list(tree.tokens):
+                    raise ValueError(f"sequence {key!r}: a tree row's block must be its tree's tokens")
         return widths
-
-
-class RowBook:
-    """Which cache columns hold which positions of which row, on the host (numpy), for every
-    backend's :class:`BatchedTarget` over one rectangular cache ``[rows, ..., columns, ...]``.
-
-    ``valid[r, c]``: column ``c`` holds a position of row ``r``; ``positions[r, c]``: which one.
-    A verify block appends ``widest`` columns to every row (the padding ones not valid); a crop
-    clears the valid bits past each row's accepted length; :meth:`compaction` gives the gather
-    that moves each row's held columns first, once that frees ``compact_at`` of the columns."""
-
-    def __init__(self, compact_at: float = 0.25, lengths: Sequence[int] = ()) -> None:
-        self.compact_at = compact_at
-        self.valid = np.zeros((0, 0), dtype=bool)
-        self.positions = np.zeros((0, 0), dtype=np.int64)
-        self.block: tuple[np.ndarray, list[int]] | None = None  # (lengths before, widths) of the open block
-        for length in lengths:  # rows holding that many positions each
-            self.add_row(length)
-
-    @property
-    def columns(self) -> int:
-        return int(self.valid.shape[1])
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.valid.sum(axis=1)
-
-    def add_row(self, length: int) -> None:
-        """A row holding positions ``0 .. length - 1`` in its first columns (the cache pads to :attr:`columns`)."""
-        columns = max(self.columns, length)
-        row = np.arange(columns) < length
-        self.valid = np.concatenate([_pad(self.valid, columns), row[None]], axis=0)
-        self.positions = np.concatenate([_pad(self.positions, columns), np.arange(columns)[None]], axis=0)
-
-    def extend(self, other: "RowBook") -> None:
-        """Append ``other``'s rows below these (both padded to the wider's columns, not valid)."""
-        columns = max(self.columns, other.columns)
-        self.valid = np.concatenate([_pad(self.valid, columns), _pad(other.valid, columns)], axis=0)
-        self.positions = np.concatenate([_pad(self.positions, columns), _pad(other.positions, columns)], axis=0)
-
-    def held(self, row: int) -> np.ndarray:
-        """The columns holding row ``row``'s positions, in position order."""
-        columns = np.flatnonzero(self.valid[row])
-        return columns[np.argsort(self.positions[row, columns], kind="stable")]
-
-    def drop_rows(self, rows: Sequence[int]) -> None:
-        self.valid = np.delete(self.valid, rows, axis=0)
-        self.positions = np.delete(self.positions, rows, axis=0)
-
-    def wants_compaction(self) -> bool:
-        """Whether compacting would drop ``compact_at`` of the columns (a compaction keeps as many
-        columns as the longest row holds; the unused tail of a shorter row stays, so it does not count)."""
-        return self.columns - int(self.lengths.max(initial=0)) > self.compact_at * self.columns
-
-    def open_block(self, widths: Sequence[int]) -> np.ndarray:
-        """Append a block of ``widths[r]`` positions to each row; the positions ``[rows, widest]``."""
-        if self.block is not None:
-            raise RuntimeError("crop the last verified block before the next")
-        widest, lengths = max(widths), self.lengths
-        query = lengths[:, None] + np.arange(widest)[None, :]
-        self.valid = np.concatenate([self.valid, np.arange(widest)[None, :] < np.asarray(widths)[:, None]], axis=1)
-        self.positions = np.concatenate([self.positions, query], axis=1)
-        self.block = (lengths, list(widths))
-        return query
-
-    def visible(self, query: np.ndarray, window: int | None) -> np.ndarray:
-        """``[rows, queries, columns]``: which columns each query of the last block reads (its
-        row's held positions up to its own, within ``window`` positions back when one is given)."""
-        return visible_columns(query, self.positions, self.valid, window)
-
-    def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
-        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now
-        (:meth:`wants_compaction`)."""
-        before, widths = _closed_block(self.block, lengths, names)
-        start = self.columns - max(widths)  # the block's first column
-        for row, (length, first) in enumerate(zip(lengths, before.tolist())):
-            self.valid[row, start + length - first:] = False
-        self.block = None
-        return self.wants_compaction()
-
-    def compaction(self) -> np.ndarray:
-        """Apply a compaction here and return its gather ``[rows, longest]`` of column indices,
-        for the cache to apply to its keys and values."""
-        counts = self.lengths
-        longest = int(counts.max()) if counts.size else 0
-        order = np.argsort(~self.valid, axis=1, kind="stable")[:, :longest]  # held columns first, in order
-        self.positions = np.take_along_axis(self.positions, order, axis=1)
-        self.valid = np.arange(longest)[None, :] < counts[:, None]
-        return order
-
-
-def visible_columns(query, positions, valid, window: int | None):
-    """``[rows, queries, columns]``: whether query ``q`` of row ``r`` (at position ``query[r, q]``)
-    reads column ``c`` (``valid[r, c]``, holding ``positions[r, c]``): its row's held positions up
-    to its own, within ``window`` positions back when one is given. Any array library with numpy's
-    broadcasting (the backends build it on their device from the book's arrays)."""
-    distance = query[:, :, None] - positions[:, None, :]
-    allowed = valid[:, None, :] & (distance >= 0)
-    return allowed & (distance < window) if window is not None else allowed
-
-
-class FlatBook:
-    """The flattened layout's bookkeeping (vLLM's, without pages): every sequence's positions in
-    the columns of ONE cache row, ``owner[c]`` the sequence column ``c`` belongs to. A verify
-    block is every sequence's anchor + drafts end to end (``sum(widths)`` tokens, no padding), each
-    token reading only its own sequence's held columns up to its position."""
-
-    def __init__(self, compact_at: float = 0.25) -> None:
-        self.compact_at = compact_at
-        self.rows = 0
-        self.owner = np.zeros(0, dtype=np.int64)
-        self.positions = np.zeros(0, dtype=np.int64)
-        self.valid = np.zeros(0, dtype=bool)
-        self.block: tuple[np.ndarray, list[int]] | None = None
-
-    @property
-    def columns(self) -> int:
-        return int(self.owner.size)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.bincount(self.owner[self.valid], minlength=self.rows)
-
-    def extend(self, book: RowBook) -> None:
-        """Append ``book``'s rows (a joining sequence's own padded book), each row's columns end to end."""
-        for row in range(book.valid.shape[0]):
-            self._append(np.full(book.columns, self.rows), book.positions[row], book.valid[row])
-            self.rows += 1
-
-    def drop_rows(self, rows: Sequence[int]) -> None:
-        gone = np.isin(self.owner, rows)
-        self.valid[gone] = False
-        shift = np.searchsorted(np.asarray(rows), self.owner)  # the dropped rows before each owner
-        self.owner = np.where(gone, -1, self.owner - shift)
-        self.rows -= len(rows)
-
-    def wants_compaction(self) -> bool:
-        """Whether compacting would drop ``compact_at`` of the columns."""
-        return self.columns - int(self.valid.sum()) > self.compact_at * self.columns
-
-    def open_block(self, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Append every row's block end to end; each token's position and owner ``[sum(widths)]``."""
-        if self.block is not None:
-            raise RuntimeError("crop the last verified block before the next")
-        lengths = self.lengths
-        owner = np.repeat(np.arange(self.rows), widths)
-        query = np.concatenate([length + np.arange(width) for length, width in zip(lengths, widths)])
-        self._append(owner, query, np.ones(query.size, dtype=bool))
-        self.block = (lengths, list(widths))
-        return query, owner
-
-    def visible(self, query: np.ndarray, owner: np.ndarray, window: int | None) -> np.ndarray:
-        """``[tokens, columns]``: which columns each token of the last block reads."""
-        allowed = visible_columns(query[None], self.positions[None], self.valid[None], window)[0]
-        return allowed & (self.owner[None, :] == owner[:, None])
-
-    def crop(self, lengths: Sequence[int], names: Sequence) -> bool:
-        """Keep row ``r``'s first ``lengths[r]`` positions; whether the cache should compact now
-        (when that frees ``compact_at`` of the columns)."""
-        before, widths = _closed_block(self.block, lengths, names)
-        start = self.columns - sum(widths)
-        for length, first, width in zip(lengths, before.tolist(), widths):
-            self.valid[start + length - first:start + width] = False
-            start += width
-        self.block = None
-        return self.wants_compaction()
-
-    def compaction(self) -> np.ndarray:
-        """Apply a compaction here and return the held columns' indices, in order (the gather)."""
-        order = np.flatnonzero(self.valid)
-        self.owner, self.positions, self.valid = self.owner[order], self.positions[order], self.valid[order]
-        return order
-
-    def _append(self, owner: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> None:
-        self.owner = np.concatenate([self.owner, owner])
-        self.positions = np.concatenate([self.positions, positions])
-        self.valid = np.concatenate([self.valid, valid])
-
-
-def _closed_block(block, lengths: Sequence[int], names: Sequence) -> tuple[np.ndarray, list[int]]:
-    """The open block's (lengths before, widths), after checking ``lengths`` keep within it."""
-    if block is None:
-        raise RuntimeError("crop rolls back the last verify block; no block was verified since the last crop")
-    before, widths = block
-    if len(lengths) != len(widths):
-        raise ValueError(f"crop got {len(lengths)} lengths for a batch of {len(widths)} sequences")
-    for row, (length, first, width) in enumerate(zip(lengths, before.tolist(), widths)):
-        if not first <= length <= first + width:
-            raise ValueError(f"sequence {names[row]!r}: crop to {length} outside its last block "
-                             f"({first} .. {first + width} positions)")
-    return before, widths
-
-
-def _pad(book: np.ndarray, columns: int) -> np.ndarray:
-    return np.pad(book, ((0, 0), (0, columns - book.shape[1])))

@@ -371,9 +371,9 @@ class Verifier(ABC):
                rng: Any) -> Verification:
         """Verify ``draft`` (k tokens, or None) against ``target_logits`` [k+1, V]."""
 
-    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> "DraftTree | None":
-        """A draft tree to verify this cycle instead of ``draft``'s chain (built from the drafter's
-        per-position distributions), or None (the default: chains only)."""
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int, budget: int | None = None) -> "DraftTree | None":
+        """A draft tree to verify this cycle instead of ``draft``'s chain (from the drafter's
+        per-position distributions; at most ``budget`` drafted nodes where given), or None."""
         return None
 
     def tree_next(self) -> bool:

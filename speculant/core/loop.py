@@ -10,13 +10,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Hashable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from speculant.core import batch_move
 from speculant.core.config import GenerationConfig, SamplingConfig
 from speculant.core.errors import ContextTooLongError, GenerationError
+from speculant.core.loop_batch import BatchedLoop
 from speculant.core.metrics import GenerationStats, target_name
 from speculant.core.prefix_request import PrefixRequest
 from speculant.core.tree_cycle import tree_cycle, trees_allowed
@@ -24,9 +24,7 @@ from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, Dra
                                   Verification)
 
 if TYPE_CHECKING:
-    from speculant.core.batch import BatchedTarget, Join
     from speculant.core.engine import Engine
-    from speculant.core.prefix_cache import CacheSnapshot
     from speculant.core.tree import DraftTree
 
 
@@ -43,11 +41,13 @@ class Proposal:
     tree: "DraftTree | None" = None  # the tree verifier's, in place of the chain
 
     def block(self, ops) -> list[int]:
-        """The block's token ids on the host: the anchor, then the draft."""
+        """The block's token ids on the host: the anchor, then the draft (or the tree's nodes)."""
+        if self.tree is not None:
+            return list(self.tree.tokens)
         return [self.anchor] + ([] if self.draft is None else ops.to_list(self.draft.token_ids))
 
 
-class Loop:
+class Loop(BatchedLoop):
     """One generation: prefill, then draft / verify / commit cycles."""
 
     def __init__(self, engine: "Engine", prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int,
@@ -135,51 +135,11 @@ class Loop:
             exc.token_ids = list(self.produced)
             raise
 
-    def into_batch(self, rows: "BatchedTarget", key: Hashable, capture: Capture) -> list[int]:
-        """Verify in batch ``rows`` as row ``key`` from now on (core/scheduler.py; ``capture``: the
-        rows its forwards capture); trees and drafting ahead end for this request. A new request
-        joins from the longest stored prefix of its prompt (prefix_request.py) and returns its
-        first token; one that ran alone moves its caches in (core/batch_move.py), and the prefix
-        store's recording ends for it."""
-        self._batched()
-        if not self.produced:
-            return self._started(self.prefix.join(rows, key, capture))
-        self.prefix.active = False
-        batch_move.into_batch(self.e.target, rows, key, self._context(), capture, self.stats)
-        return []
-
-    def planned_join(self, rows: "BatchedTarget", key: Hashable) -> "Join | None":
-        """How this new request joins ``rows`` as row ``key`` beside others (``rows.join_many``, the
-        output then to :meth:`joined`); None where it joins alone through :meth:`into_batch`."""
-        planned = None if self.produced else self.prefix.planned_join(rows, key)
-        if planned is not None:
-            self._batched()
-        return planned
-
-    def joined(self, out: ForwardOutput) -> list[int]:
-        """The first token of the request from its :meth:`planned_join`'s output."""
-        return self._started(self.prefix.joined(out))
-
-    def _batched(self) -> None:
-        self.batched, self.trees, self.draft_ahead = True, False, False
-
     def _started(self, out: ForwardOutput) -> list[int]:
         self.stats.cached_tokens = self.prefix.cached_tokens
         first = self.first(out)
         self.prefix.prompt_done()
         return first
-
-    def out_of_batch(self, snapshot: "CacheSnapshot | None") -> None:
-        """Back on the target's own cache, the last of a batch, from its row's ``snapshot``
-        (core/batch_move.py); drafting ahead may resume (trees need the verifier's per-request
-        choice, kept off)."""
-        self.prefix.left_batch()
-        batch_move.out_of_batch(self.e.target, snapshot, self._context(), self.stats)
-        self.draft_ahead = self.speculating and self._may_draft_ahead()
-
-    def _context(self) -> list[int]:
-        """What the caches hold between cycles: the prompt and the emitted tokens but the last (the next anchor)."""
-        return list(self.prompt_ids) + self.produced[:-1]
 
     def first(self, out: ForwardOutput) -> list[int]:
         """The first token from the prompt's prefill ``out`` (its logits and captured rows); the
@@ -220,9 +180,7 @@ class Loop:
         e, position = self.e, self.position
         proposal = self.propose()
         if proposal.tree is not None:
-            new = tree_cycle(self, position, proposal.tree, proposal.drafted, proposal.draft_s)
-            self.position += len(new)
-            return new
+            return tree_cycle(self, proposal)
         draft = proposal.draft
         anchor_arr = e.backend.int_array([proposal.anchor])
         block = anchor_arr if draft is None else e.backend.ops.concatenate([anchor_arr, draft.token_ids])
@@ -275,8 +233,9 @@ class Loop:
         if self.timed:
             self.stats.draft_s += seconds
 
-    def proposal(self) -> "Proposal":
-        """The second half of :meth:`propose`: the draft planned to its width, or a tree."""
+    def proposal(self, trees: bool = True) -> "Proposal":
+        """The second half of :meth:`propose`: the draft planned to its width, or a tree (with
+        ``trees``; else the chain, which :meth:`as_tree` may turn into one)."""
         e, position, anchor = self.e, self.position, self.produced[-1]
         (draft, draft_s), k = self._drafted, self._k
         drafted = 0 if draft is None else draft.num_tokens
@@ -284,7 +243,7 @@ class Loop:
         n = self.verifier.plan(draft, k, position) if draft is not None else 0
         if draft is not None and n < draft.num_tokens:
             draft = draft.truncated(n, e.backend.ops) if n > 0 else None
-        tree = self.verifier.tree(e.backend.ops, draft, anchor) if self.trees and draft is not None else None
+        tree = self.verifier.tree(e.backend.ops, draft, anchor) if trees and self.trees and draft is not None else None
         return Proposal(anchor, draft, n, drafted, source, draft_s, tree)
 
     def accept(self, proposal: "Proposal", out: ForwardOutput, target_s: float) -> tuple[list[int], int]:
@@ -308,16 +267,6 @@ class Loop:
         self.stats.record_cycle(n, accepted, len(new), copied=proposal.source is DraftSource.LOOKUP)
         self.position += len(new)
         return new, position + accepted + 1
-
-    def room_now(self) -> int:
-        """Drafts this cycle could verify, for the batch plan: the room left, or, for a drafter that
-        only copies, its copy's length (0 where the context offers none: drafting would gain nothing)."""
-        k = max(0, self._room(self.position)) if self.speculating else 0
-        if k and self.drafter.only_free:
-            free = self.drafter.propose_free(DraftRequest(self.produced[-1], self.position, k, self.sampling,
-                                                          self.draft_rng))
-            k = 0 if free is None else free.num_tokens
-        return k
 
     def _room(self, position: int, produced: int | None = None) -> int:
         """Most proposals this cycle may verify: the block, what is left to generate, the window."""

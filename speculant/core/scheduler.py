@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Iterator
 from speculant.core.batch_plan import EXPLORE_EVERY
 from speculant.core.errors import GenerationError
 from speculant.core.text import StreamDecoder
+from speculant.core.tree import kept_rows
+from speculant.core.tree_cycle import accept_tree
 from speculant.core.types import Capture, Chunk
 
 if TYPE_CHECKING:
@@ -245,21 +247,28 @@ class Scheduler:
         ops, cycle_start = self.e.backend.ops, time.perf_counter()
         proposals = self._proposals(live)
         blocks = [p.block(ops) for p in proposals]
+        trees = [p.tree for p in proposals] if any(p.tree is not None for p in proposals) else None
         start = time.perf_counter()
-        outs = self.rows.verify(blocks, self._capture())
+        outs = self.rows.verify(blocks, self._capture(), trees)
         target_s = time.perf_counter() - start
         before = self.rows.lengths_before_block()
-        lengths, news = [], []
+        lengths, news, paths = [], [], []
         for request, proposal, out, first in zip(live, proposals, outs, before):
+            path = None
             try:
-                new, length = request.loop.accept(proposal, out, target_s)
+                if proposal.tree is None:
+                    new, length = request.loop.accept(proposal, out, target_s)
+                else:
+                    new, path = accept_tree(request.loop, proposal, out, target_s)
+                    length, path = first + len(path), kept_rows(proposal.tree, path)
             except GenerationError as exc:  # this request ends with what it emitted; the others go on
-                request.error, new, length = exc, [], first
+                request.error, new, length, path = exc, [], first, None
                 request.loop.stop("error")
             request.loop.stats.batched_cycles += 1
             lengths.append(length)
             news.append(new)
-        self.rows.crop(lengths)
+            paths.append(path)
+        self.rows.crop(lengths, paths if trees else None)
         widths = [len(block) for block in blocks]
         computed = len(widths) * max(widths) if self.rows.padded else sum(widths)
         self.plan.observe(len(live), computed, time.perf_counter() - cycle_start, *self._drafted)
@@ -281,7 +290,11 @@ class Scheduler:
             self._drafted = (len(rows), time.perf_counter() - start)
             for i, draft in zip(rows, drafts):
                 live[i].loop.take_draft(draft, self._drafted[1] / len(rows))
-        return [request.loop.proposal() for request in live]
+        chains = [request.loop.proposal(trees=False) for request in live]
+        # a row's tree as wide as the padded block the chains make (free there), or as its own chain where not padded
+        widest = max(len(chain.block(self.e.backend.ops)) for chain in chains)
+        return [request.loop.as_tree(chain, widest - 1 if self.rows.padded else chain.num_tokens)
+                for request, chain in zip(live, chains)]
 
     def _worth_drafting(self, loop: "Loop") -> bool:
         """Whether a joining request starts its drafter; every ``EXPLORE_EVERY``-th one does anyway,

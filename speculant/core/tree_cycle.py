@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speculant.core.tree import DraftTree
 from speculant.core.types import CycleTiming, DraftSource, ForwardOutput
 
 if TYPE_CHECKING:
     from speculant.core.engine import Engine
-    from speculant.core.loop import Loop
+    from speculant.core.loop import Loop, Proposal
 
 
 def trees_allowed(engine: "Engine") -> bool:
@@ -29,23 +28,32 @@ def trees_allowed(engine: "Engine") -> bool:
     return True
 
 
-def tree_cycle(loop: "Loop", position: int, tree: DraftTree, drafted: int, draft_s: float) -> list[int]:
-    """Verify ``tree`` in one target forward, commit the accepted path, emit its tokens."""
-    e = loop.e
-    out, target_s = loop._timed(lambda: e.target.forward_tree(tree, loop.capture), "target_s")
+def tree_cycle(loop: "Loop", proposal: "Proposal") -> list[int]:
+    """Verify ``proposal``'s tree in one target forward, commit the accepted path, emit its tokens."""
+    e, position = loop.e, loop.position
+    out, target_s = loop._timed(lambda: e.target.forward_tree(proposal.tree, loop.capture), "target_s")
+    new, path = accept_tree(loop, proposal, out, target_s)
+    e.target.commit_tree(position, path)
+    return new
+
+
+def accept_tree(loop: "Loop", proposal: "Proposal", out: ForwardOutput, target_s: float) -> tuple[list[int], list[int]]:
+    """Take the target's forward ``out`` over ``proposal``'s tree (its own rows, node order): the
+    tokens emitted and the accepted path (node indices, root first), whose rows the caller keeps in
+    the target's caches; the drafter and the prefix store take those rows as a chain's."""
+    e, tree, position = loop.e, proposal.tree, loop.position
     verification = loop.verifier.verify_tree(e.backend.ops, tree, out.logits, loop.sampling, loop.verify_rng)
-    e.target.commit_tree(position, verification.path)
+    path, rows = path_rows(out, e.backend.int_array(verification.path)), len(verification.path)
+    loop.prefix.committed(path, rows)  # the rows the caches keep, as a chain's first rows
     commit_s = 0.0
     if loop.speculating:
-        path = path_rows(out, e.backend.int_array(verification.path))
-        rows = len(verification.path)
         _, commit_s = loop._timed(lambda: loop.drafter.commit(path, rows, verification.token_ids), "draft_s")
-    depth = max(tree.depths)
-    loop.verifier.observe(verification, tree.num_drafted,
-                       CycleTiming(position, tree.num_drafted, drafted, target_s, draft_s, commit_s, DraftSource.MODEL))
+    loop.verifier.observe(verification, tree.num_drafted, CycleTiming(
+        position, tree.num_drafted, proposal.drafted, target_s, proposal.draft_s, commit_s, DraftSource.MODEL))
     new = loop._emit(verification.token_ids)
-    loop.stats.record_cycle(depth, verification.accepted, len(new))
-    return new
+    loop.stats.record_cycle(max(tree.depths), verification.accepted, len(new))
+    loop.position += len(new)
+    return new, list(verification.path)
 
 
 def path_rows(out: ForwardOutput, rows) -> ForwardOutput:

@@ -71,7 +71,7 @@ class TreeVerifier(Verifier):
         self._next = "tree" if self.choice is None else self.choice.next(copy=True)
         return self._next == "tree"
 
-    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int, budget: int | None = None) -> DraftTree | None:
         decided, self._next = self._next, None
         # chain chosen beside a copy: the copy is this cycle's chain, measured as one
         self._copy_chain = decided == "chain" and draft.source is DraftSource.LOOKUP
@@ -80,7 +80,8 @@ class TreeVerifier(Verifier):
             return None
         if (decided or (self.choice.next() if self.choice is not None else "tree")) == "chain":
             return None
-        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budget, self.width, self.shape)
+        nodes = self.budget if budget is None else min(self.budget, budget)
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, nodes, self.width, self.shape)
         self._branch = draft.branch_ids
         return tree
 

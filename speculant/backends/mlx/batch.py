@@ -1,7 +1,7 @@
 """Several live sequences verified in one forward of an MLX target (issue #39, docs/batching.md).
 
 The same design as the PyTorch batch (``backends/torch/batch.py``) over the same bookkeeping
-(``core.batch.RowBook``): one rectangular cache per attention layer, ``[rows, heads, columns,
+(``core.batch_book.RowBook``): one rectangular cache per attention layer, ``[rows, heads, columns,
 dim]``; a verify block right-padded to the widest row. mlx-lm's attention reads neither positions
 nor a mask from its caller: it rotates at ``cache.offset`` and asks the cache for its mask. So each
 layer's :class:`RowsCache` answers with an ``offset`` array (each row's first block position;
@@ -29,8 +29,10 @@ from mlx_lm.models.cache import _BaseCache
 from speculant.backends.mlx import batch_rows as rows
 from speculant.backends.mlx.caches import DeltaCache, WindowKVCache, recording, target_cache
 from speculant.backends.mlx.target import PREFILL_STEP, _join
+from speculant.backends.mlx.tree import rows_positions
 from speculant.core import spare_room
-from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.batch import BatchedTarget, Restored
+from speculant.core.batch_book import RowBook, visible_columns
 from speculant.core.batch_join import JoinSteps, prefill_blocks, run_steps
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
@@ -173,33 +175,37 @@ class MLXBatch(BatchedTarget):
         if self.book.wants_compaction():  # the trailing columns only the rows that left used
             self._compact()
 
-    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
+    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture(), trees=None) -> list[ForwardOutput]:
         self._between_cycles("verify")
-        widths = self._checked_widths(blocks)
-        logits, features, final = self._forward(blocks, self.layers, self.book, capture)
+        widths = self._checked_widths(blocks, trees)
+        logits, features, final = self._forward(blocks, self.layers, self.book, capture, trees)
         self._settle(logits)
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
                               final_hidden=_row(final, row, width))
                 for row, width in enumerate(widths)]
 
-    def crop(self, lengths: Sequence[int]) -> None:
+    def crop(self, lengths: Sequence[int], paths=None) -> None:
         before = self.lengths_before_block()
-        if self.book.crop(lengths, self.keys):
+        if self.book.crop(lengths, self.keys, paths):
             self._compact()
         for layer in _deltas(self.layers):
             layer.keep_rows([length - first for length, first in zip(lengths, before)])
 
-    def _forward(self, blocks: Sequence[Sequence[int]], layers: list[RowsCache], book: RowBook, capture: Capture):
-        """One forward of ``blocks`` (right-padded with 0, masked) after ``layers``' rows."""
+    def _forward(self, blocks: Sequence[Sequence[int]], layers: list[RowsCache], book: RowBook, capture: Capture,
+                 trees=None):
+        """One forward of ``blocks`` (right-padded with 0, masked) after ``layers``' rows; rows
+        given ``trees`` at their nodes' positions, seeing their ancestors only among the block's."""
         widest = max(len(block) for block in blocks)
         ids = np.zeros((len(blocks), widest), dtype=np.int32)
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = block
-        query = book.open_block([len(block) for block in blocks])
+        query = book.open_block([len(block) for block in blocks], trees)
         attention = _attention(layers)
         # built on the device from the book's arrays, not on the host
         query_d, positions, valid = mx.array(query), mx.array(book.positions), mx.array(book.valid)
-        masks = {window: visible_columns(query_d, positions, valid, window)[:, None]
+        branches = book.block_visibility()  # tree rows see only their ancestors among the block's columns
+        shown = None if branches is None else mx.array(branches)
+        masks = {window: _visible(visible_columns(query_d, positions, valid, window), shown)[:, None]
                  for window in {a.window for a in attention}}
         for layer in attention:
             layer.offset, layer.mask = mx.array(query[:, 0]), masks[layer.window]
@@ -207,7 +213,8 @@ class MLXBatch(BatchedTarget):
         recorder.start(capture)
         try:
             # a verify records each position's Gated DeltaNet states (caches.py), a join's prefill none
-            with recording(layers) if book is self.book else nullcontext():
+            with recording(layers) if book is self.book else nullcontext(), \
+                    rows_positions(self.target.model, query_d) if branches is not None else nullcontext():
                 logits = self.target.model(mx.array(ids), cache=layers)
         except BaseException:
             recorder.start(Capture())  # stop recording; keep the original error
@@ -225,6 +232,10 @@ class MLXBatch(BatchedTarget):
         order = mx.array(self.book.compaction())
         for layer in _attention(self.layers):
             layer.gather(order, axis=2)
+
+
+def _visible(allowed: mx.array, branches: mx.array | None) -> mx.array:
+    return allowed if branches is None else allowed & branches
 
 
 def _attention(layers: list) -> list[RowsCache]:

@@ -51,6 +51,33 @@ class TreeRope(Wrapper):
         return mx.concatenate(out, axis=-2)
 
 
+class RowsRope(Wrapper):
+    """The wrapped rotary embedding at each batch row's own positions ``[rows, width]``, a column
+    at a time (a batch whose rows hold trees: node ``j`` of a row at its length + its depth)."""
+
+    def __init__(self, module: nn.Module, positions: mx.array) -> None:
+        super().__init__(module)
+        self.positions = positions
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        return mx.concatenate([self.module(x[..., j:j + 1, :], offset=self.positions[:, j])
+                               for j in range(x.shape[-2])], axis=-2)
+
+
+@contextmanager
+def rows_positions(model: nn.Module, positions: mx.array) -> Iterator[None]:
+    """Within: ``model``'s attention rotates row ``r``'s column ``j`` at ``positions[r, j]``."""
+    attentions = _attentions(model)
+    ropes = [a["rope"] for a in attentions]
+    for a, rope in zip(attentions, ropes):
+        a.rope = RowsRope(rope, positions)
+    try:
+        yield
+    finally:
+        for a, rope in zip(attentions, ropes):
+            a.rope = rope
+
+
 def _attentions(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if isinstance(m.get("rope") if hasattr(m, "get") else None, nn.Module)]
 

@@ -8,7 +8,7 @@ sequence's anchor + drafts (ragged widths) in one forward and :meth:`TorchBatch.
 sequence back to its own accepted length.
 
 Layout: one rectangular cache ``[batch, heads, columns, dim]`` with, per row, which columns hold
-its positions and the position each column holds (``core.batch.RowBook``, the bookkeeping shared
+its positions and the position each column holds (``core.batch_book.RowBook``, the bookkeeping shared
 with MLX: the masks, the crop's checks, the compaction's gather); a verify block is
 right-padded to the widest sequence's width, with per-row position ids and a 4-D additive mask.
 Chosen over flattened tokens (one ragged row with per-token positions, vLLM's layout) because
@@ -44,7 +44,8 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from speculant.backends.torch import batch_rows as rows
 from speculant.backends.torch.growing import GrowingLayer
 from speculant.backends.torch.rollback import RollbackCache
-from speculant.core.batch import BatchedTarget, Restored, RowBook, visible_columns
+from speculant.core.batch import BatchedTarget, Restored
+from speculant.core.batch_book import RowBook, visible_columns
 from speculant.core.batch_join import JoinSteps, prefill_blocks, run_steps
 from speculant.core.prefix_cache import CacheSnapshot
 from speculant.core.types import Capture, ForwardOutput
@@ -161,33 +162,34 @@ class TorchBatch(BatchedTarget):
             self._compact()
 
     @torch.inference_mode()
-    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
+    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture(), trees=None) -> list[ForwardOutput]:
         self._between_cycles("verify")
-        widths = self._checked_widths(blocks)
-        logits, features, final = self._run_blocks(blocks, self.cache, self.book, capture, logits_to_keep=0)
+        widths = self._checked_widths(blocks, trees)
+        logits, features, final = self._run_blocks(blocks, self.cache, self.book, capture, logits_to_keep=0,
+                                                   trees=trees)
         return [ForwardOutput(logits=logits[row, :width], features=_row(features, row, width),
                               final_hidden=_row(final, row, width))
                 for row, width in enumerate(widths)]
 
     @torch.inference_mode()
-    def crop(self, lengths: Sequence[int]) -> None:
+    def crop(self, lengths: Sequence[int], paths=None) -> None:
         before = self.lengths_before_block()
         widest = max(self.book.block[1])
-        if self.book.crop(lengths, self.keys):
+        if self.book.crop(lengths, self.keys, paths):
             self._compact()
         if self._hybrid:
             _keep_linear(self.cache, [length - first for length, first in zip(lengths, before)], widest)
             self.cache.block_states.clear()
 
     def _run_blocks(self, blocks: Sequence[Sequence[int]], cache, book: RowBook, capture: Capture,
-                    logits_to_keep: int = 1):
+                    logits_to_keep: int = 1, trees=None):
         """One forward of ``blocks`` (right-padded with 0, masked) after ``cache``'s rows (``book``'s);
         a joining group's own book is done with after it."""
         widths = [len(block) for block in blocks]
         ids = torch.zeros((len(blocks), max(widths)), dtype=torch.long, device=self._device)  # 0: padding, masked
         for row, block in enumerate(blocks):
             ids[row, : len(block)] = torch.as_tensor(list(block), device=self._device)
-        query = book.open_block(widths)
+        query = book.open_block(widths, trees)
         out = self._forward(ids, cache, capture, logits_to_keep, attention_mask=self._mask(query, book),
                             position_ids=torch.from_numpy(query).to(self._device))
         if book is not self.book:
@@ -215,7 +217,11 @@ class TorchBatch(BatchedTarget):
         ``layer_types`` name."""
         book = book or self.book
         query, positions, valid = (torch.from_numpy(a).to(self._device) for a in (query, book.positions, book.valid))
-        return self._masks(lambda window: visible_columns(query, positions, valid, window))
+        trees = book.block_visibility()  # tree rows see only their ancestors among the block's columns
+        if trees is None:
+            return self._masks(lambda window: visible_columns(query, positions, valid, window))
+        trees = torch.from_numpy(trees).to(self._device)
+        return self._masks(lambda window: visible_columns(query, positions, valid, window) & trees)
 
     def _masks(self, visible):
         """The masks from ``visible(window)``: its booleans ``[rows, widest, columns]`` on the device."""

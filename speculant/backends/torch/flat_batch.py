@@ -17,7 +17,7 @@ from typing import Hashable, Sequence
 import torch
 
 from speculant.backends.torch.batch import LINEAR, TorchBatch, _attention_layers
-from speculant.core.batch import FlatBook
+from speculant.core.batch_book import FlatBook
 from speculant.core.types import Capture, ForwardOutput
 
 
@@ -48,10 +48,13 @@ class TorchFlatBatch(TorchBatch):
         if self.book.wants_compaction():
             self._compact()
 
+    def tree_problem(self) -> str:
+        return "the flattened batch layout verifies chains (a tree's ancestor mask is not laid out in its one row)"
+
     @torch.inference_mode()
-    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture()) -> list[ForwardOutput]:
+    def verify(self, blocks: Sequence[Sequence[int]], capture: Capture = Capture(), trees=None) -> list[ForwardOutput]:
         self._between_cycles("verify")
-        widths = self._checked_widths(blocks)
+        widths = self._checked_widths(blocks, trees)
         ids = torch.as_tensor([token for block in blocks for token in block], device=self._device)[None]
         query, owner = self.book.open_block(widths)
         device = self._device
@@ -64,7 +67,7 @@ class TorchFlatBatch(TorchBatch):
                 for a, b in zip(starts, starts[1:])]
 
     @torch.inference_mode()
-    def crop(self, lengths: Sequence[int]) -> None:
+    def crop(self, lengths: Sequence[int], paths=None) -> None:
         if self.book.crop(lengths, self.keys):
             self._compact()
 

@@ -89,11 +89,12 @@ class TreeArms:
     def tree_chosen(self) -> bool:
         return self.arm is not None and self.arm != CHAIN
 
-    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int, budget: int | None = None) -> DraftTree | None:
         if not self.tree_chosen or draft.logits is None:
             return None
         start = time.perf_counter()
-        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, self.budgets[self.arm], self.width)
+        nodes = self.budgets[self.arm] if budget is None else min(self.budgets[self.arm], budget)
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, nodes, self.width)
         self._branch = draft.branch_ids
         self.depth = max(tree.depths)
         self.host_s += time.perf_counter() - start

@@ -121,8 +121,8 @@ class AdaptiveVerifier(Verifier):
     def tree_next(self) -> bool:
         return self.trees is not None and self.trees.choose_early(copy=True)
 
-    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int) -> DraftTree | None:
-        return None if self.trees is None else self.trees.tree(ops, draft, anchor_id)
+    def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int, budget: int | None = None) -> DraftTree | None:
+        return None if self.trees is None else self.trees.tree(ops, draft, anchor_id, budget)
 
     def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                     rng: Any) -> Verification:
