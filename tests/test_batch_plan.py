@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculant.core.batch_plan import EXPLORE_EVERY, EXPLORE_SHARE, OWN_CYCLES, WARM_UP, BatchPlan
+from speculant.core.batch_plan import (EVIDENCE, EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_TOKENS, OWN_CYCLES, THIN_EVERY,
+                                      WARM_UP, BatchPlan)
 from speculant.core.metrics import GenerationStats
 
 ROOM = 7
@@ -41,7 +42,26 @@ def test_the_cost_line_is_recovered():
 def test_a_compute_bound_forward_keeps_every_row_plain():
     plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
     assert plan.limits([ROOM] * 4, [history(ROOM)] * 4) == [0, 0, 0, 0]  # even drafts always accepted
-    assert not plan.drafting_pays(3, ROOM)
+    assert not plan.drafting_pays(3, ROOM, [history(ROOM)] * 3)
+    assert plan.drafting_pays(3, ROOM)  # nothing measured yet of what drafts are accepted: it drafts
+
+
+def test_thin_acceptance_is_explored_by_every_row_before_it_turns_drafting_off():
+    """A request's first cycles accept least (the shipped pair: rejected at once, then whole
+    blocks from its tenth cycle on), so two of them per request must not turn drafting off for
+    good: until ``EVIDENCE`` drafted row-cycles are pooled, every ``THIN_EVERY`` cycles every row
+    drafts (in the padded columns one row's widening pays for), and only then is it settled."""
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    young = [history(0, cycles=2)] * 4  # 8 row-cycles, all rejected at once
+    assert not plan.settled(young) and plan.drafting_pays(3, ROOM, young)
+    explored = [plan.cycles for plan.cycles in range(WARM_UP, WARM_UP + 40) if any(plan.limits([ROOM] * 4, young))]
+    assert explored == list(range(THIN_EVERY, WARM_UP + 40, THIN_EVERY))
+    plan.cycles = plan._explored_at + THIN_EVERY
+    assert plan.limits([ROOM] * 4, young) == [min(ROOM, EXPLORE_TOKENS // 4)] * 4  # every row, as wide as the one's widening
+    settled = [history(0, cycles=EVIDENCE // 4)] * 4
+    assert plan.settled(settled) and not plan.drafting_pays(3, ROOM, settled)
+    plan.cycles = plan._explored_at + THIN_EVERY
+    assert plan.limits([ROOM] * 4, settled) == [0] * 4  # the next exploration waits for EXPLORE_EVERY
 
 
 def test_a_fixed_cost_forward_drafts_for_rows_whose_drafts_are_accepted():

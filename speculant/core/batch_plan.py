@@ -30,6 +30,8 @@ EXPLORE_SHARE = 0.01  # explorations take at most about this share of the cycles
 OWN_CYCLES = 2  # a request's first drafting cycles are in full (padded: up to the block's width), to measure it
 STEADY = 3  # draft calls over one row count before that count's median is read as its cost
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
+EVIDENCE = 16  # drafted row-cycles verified (pooled) before the plan's acceptance is trusted to turn drafting off
+THIN_EVERY = 8  # until then, an exploration this many cycles apart
 
 
 class BatchPlan:
@@ -41,6 +43,7 @@ class BatchPlan:
         self.explore_every = EXPLORE_EVERY
         self._explore_at = EXPLORE_EVERY  # the cycle of the next exploration
         self._explored = 0
+        self._explored_at = 0  # the cycle of the last exploration
         self._exploring = False  # the cycle being run is an exploration
         self._memo: dict = {}  # seconds read off the samples, until the next observation
         self._drafted_since = True  # the plan gave some row drafts since the last exploration (or none was made)
@@ -149,8 +152,9 @@ class BatchPlan:
             return list(rooms) if self.cycles % 2 else [0] * len(rooms)
         if not any(rooms):
             return list(rooms)
-        if self.cycles >= self._explore_at:  # one row at its full width: a point off the plan's line
-            return self._explore(rooms)
+        thin = not self.settled(stats)
+        if self.cycles >= self._explore_at or (thin and self.cycles >= self._explored_at + THIN_EVERY):
+            return self._explore(rooms, thin)  # a point off the plan's line; while thin, acceptance to pool
         prior = self._prior(max(rooms), stats)
         limits = self._widths([np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
                                for s, room in zip(stats, rooms)])
@@ -167,24 +171,35 @@ class BatchPlan:
         CPU, and young requests joining one by one kept most cycles wide)."""
         return min(room, max(limits)) if self.padded else room
 
-    def _explore(self, rooms: Sequence[int]) -> list[int]:
+    def _explore(self, rooms: Sequence[int], thin: bool = False) -> list[int]:
         """One row (in turn) drafts its full width, padded only as far as ``EXPLORE_TOKENS`` more
         tokens in all (32 rows of 8 for one row's sake cost 4x a plain cycle of SmolLM2 on a CPU;
         of 2, 2x). While the plan keeps every row plain between explorations, each costs a padded
-        block for one row's sake: they come half as often."""
-        self.explore_every = EXPLORE_EVERY if self._drafted_since else min(2 * self.explore_every, EXPLORE_MOST)
-        self._explore_at, self._drafted_since = self.cycles + self.explore_every, False
-        self._exploring = True
+        block for one row's sake: they come half as often. While the pooled acceptance is
+        ``thin`` (fewer than ``EVIDENCE`` drafted row-cycles: a request's first cycles, which
+        accept least, would otherwise decide for good), every row drafts as wide, in padded
+        columns the one row's widening pays for anyway."""
+        if not thin:
+            self.explore_every = EXPLORE_EVERY if self._drafted_since else min(2 * self.explore_every, EXPLORE_MOST)
+            self._explore_at, self._drafted_since = self.cycles + self.explore_every, False
+        self._exploring, self._explored_at = True, self.cycles
         able = [i for i, room in enumerate(rooms) if room]  # rows with something to draft
         row, self._explored = able[self._explored % len(able)], self._explored + 1
         most = max(1, EXPLORE_TOKENS // len(rooms)) if self.padded else rooms[row]
-        return [min(room, most) if i == row else 0 for i, room in enumerate(rooms)]
+        return [min(room, most) if i == row or (thin and self.padded) else 0 for i, room in enumerate(rooms)]
+
+    def settled(self, live: Sequence[GenerationStats] = ()) -> bool:
+        """Whether the pooled acceptance (finished requests and the ``live`` ones) rests on
+        ``EVIDENCE`` drafted row-cycles, so that the plan may turn drafting off for good (a request
+        joining plain, rows that stop speculating)."""
+        pooled = float(self._submitted[0]) if self._submitted.size else 0.0
+        return not self.enabled or pooled + sum(_verified(s) for s in live) >= EVIDENCE
 
     def drafting_pays(self, rows: int, room: int, live: Sequence[GenerationStats] = ()) -> bool:
         """Whether a request joining ``rows`` others (``live``: their stats), with the pooled
         acceptance, would draft at all (False: it joins plain, its drafter never started). True
         until the cost is measured."""
-        if not self.enabled or self.cycles < WARM_UP or room <= 0:
+        if not self.enabled or self.cycles < WARM_UP or room <= 0 or not self.settled(live):
             return True
         gains = np.cumsum(np.minimum.accumulate(self._prior(room, live)))
         return any(self._widths([gains] * (rows + 1)))

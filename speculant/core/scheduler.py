@@ -317,7 +317,8 @@ class Scheduler:
         # A row planned plain goes on feeding its drafter while any row drafts (the hidden states
         # are captured for that row anyway), so it can draft again when the plan says so; once
         # none has drafted for a while, they all stop and the forwards capture nothing.
-        if speculating and all(loop.plain_streak >= PLAIN_AFTER for loop in speculating):
+        if speculating and all(loop.plain_streak >= PLAIN_AFTER for loop in speculating) and \
+                self.plan.settled([loop.stats for loop in loops]):
             for loop in speculating:
                 loop.speculating = False
                 loop.stats.batch_note = (f"decoded plainly from token {len(loop.produced)}: drafting did not pay "
