@@ -129,3 +129,12 @@ def test_adaptive_replay_records_and_replays_the_policy(tmp_path):
     rows = [json.loads(line) for line in out.splitlines()]
     assert rows[0]["prompts"] == "0-1" and len(rows[0]["adaptive_vs_chain"]) == 2
     assert all(0.2 < r < 5.0 for r in rows[0]["adaptive_vs_chain"]) and rows[0]["chain_tokens_per_s"] > 0
+
+
+def test_batch_trees_benchmark_compares_trees_and_chains_batched():
+    """benchmarks/batch_trees.py on the shipped pair (smoke size): both arms batched, trees verified,
+    the same tokens (or it exits 1)."""
+    out = run("benchmarks/batch_trees.py", "--concurrency", "2", "--max-new-tokens", "24", "--repeats", "1")
+    assert "c=2" in out and "tree/chain" in out and "MISMATCH" not in out, out
+    trees = int(out.split(" trees)")[0].rsplit(", ", 1)[1])
+    assert trees > 0, out
