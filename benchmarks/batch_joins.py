@@ -140,18 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure_joins(engine, prompts: list[list[int]], text: list[int], args) -> bool:
-    seconds, firsts = {True: [], False: []}, {}
-    time_joins(engine, prompts[:2], True)  # warm-up
-    for repeat in range(args.repeats):
-        for together in ((False, True) if repeat % 2 == 0 else (True, False)):
-            s, firsts[together] = time_joins(engine, prompts, together)
-            seconds[together].append(s)
-    alone, together = statistics.median(seconds[False]), statistics.median(seconds[True])
-    print(f"joins  {args.requests} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens: "
-          f"one each {alone:.3f} s, together {together:.3f} s, {alone / together:.2f}x", flush=True)
-    if firsts[True] != firsts[False]:
-        print("!!! MISMATCH: first tokens differ between joining together and alone", flush=True)
-    return firsts[True] == firsts[False]
+    what = f"joins  {args.requests} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens"
+    return compare_joins(engine, prompts, None, what, args.repeats)
 
 
 def measure_shared(engine, prompts: list[list[int]], text: list[int], args) -> bool:
@@ -160,16 +150,20 @@ def measure_shared(engine, prompts: list[list[int]], text: list[int], args) -> b
     engine.target.reset()
     engine.target.prefill(system)
     stored = (engine.target.snapshot(), len(system))
-    behind = [system + p for p in prompts]
+    what = f"shared {args.requests} prompts behind a restored {len(system)}-token prefix"
+    return compare_joins(engine, [system + p for p in prompts], stored, what, args.repeats)
+
+
+def compare_joins(engine, prompts: list[list[int]], restored, what: str, repeats: int) -> bool:
+    """``prompts`` joining one each against together, alternating; False if the first tokens differ."""
     seconds, firsts = {True: [], False: []}, {}
-    time_joins(engine, behind[:2], True, stored)  # warm-up
-    for repeat in range(args.repeats):
+    time_joins(engine, prompts[:2], True, restored)  # warm-up
+    for repeat in range(repeats):
         for together in ((False, True) if repeat % 2 == 0 else (True, False)):
-            s, firsts[together] = time_joins(engine, behind, together, stored)
+            s, firsts[together] = time_joins(engine, prompts, together, restored)
             seconds[together].append(s)
     alone, together = statistics.median(seconds[False]), statistics.median(seconds[True])
-    print(f"shared {args.requests} prompts behind a restored {len(system)}-token prefix: one each {alone:.3f} s, "
-          f"together {together:.3f} s, {alone / together:.2f}x", flush=True)
+    print(f"{what}: one each {alone:.3f} s, together {together:.3f} s, {alone / together:.2f}x", flush=True)
     if firsts[True] != firsts[False]:
         print("!!! MISMATCH: first tokens differ between joining together and alone", flush=True)
     return firsts[True] == firsts[False]
