@@ -80,3 +80,25 @@ def test_prompts_restoring_stored_prefixes_group_among_themselves_by_what_they_r
              ("e", [1] * 41, (stored, 40))]  # run: 5, 4, 6, 3, 1
     assert join_plan(joins, budget=512) == [[0, 2], [3, 1], [4]]
     assert join_plan(joins, budget=512, equal=True) == [[0], [1], [2], [3], [4]]
+
+
+def test_a_tree_rows_block_sits_at_its_depths_sees_its_ancestors_and_keeps_its_path():
+    from speculant.core.tree import DraftTree
+
+    book = RowBook(lengths=[3, 2])
+    tree = DraftTree((9, 1, 2, 3, 4), (-1, 0, 0, 1, 2))  # depths 0, 1, 1, 2, 2
+    query = book.open_block([5, 2], [tree, None])
+    assert query.tolist() == [[3, 4, 4, 5, 5], [2, 3, 4, 5, 6]]
+    seen = book.block_visibility()[:, :, -5:]
+    assert seen[0, 3].tolist() == [True, True, False, True, False]  # node 3: the root, node 1, itself
+    assert seen[1, 1].tolist() == [True, True, False, False, False]  # the chain row: causal
+    valid = book.valid.copy()
+    with pytest.raises(ValueError, match="'chain' keeps 2 tree nodes for 1 positions"):
+        book.crop([6, 3], ["tree", "chain"], [[0, 2, 4], [0, 1]])
+    assert (book.valid == valid).all()  # nothing cropped, the tree row's included
+    book.crop([6, 3], ["tree", "chain"], [[0, 2, 4], None])
+    assert book.block_visibility() is None
+    assert book.positions[0, book.held(0)].tolist() == list(range(6))  # the path, in order after the prefix
+    assert book.held(0).tolist() == [0, 1, 2, 3, 5, 7]  # its nodes' own columns: nothing moved
+    order = book.compaction()
+    assert order[0].tolist() == [0, 1, 2, 3, 5, 7] and book.positions[0].tolist() == list(range(6))

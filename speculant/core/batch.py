@@ -72,8 +72,9 @@ class BatchedTarget(ABC):
     def join_many(self, joins: Sequence[Join], capture: Capture = Capture()) -> list[ForwardOutput]:
         """:meth:`join` for each of ``joins`` ((key, token_ids, restored) each), the outputs in
         their order. Short prompts are prefilled together, right-padded, in one forward a group
-        (:func:`join_plan`; those restoring stored prefixes together, each after its own): a burst of
-        requests costs a few forwards, not one each. The keys go into :attr:`keys` group by group, so read the rows' order from there."""
+        (:func:`join_plan`; those restoring stored prefixes together, each after its own): a burst
+        of requests costs a few forwards, not one each. The keys go into :attr:`keys` group by
+        group, so read the rows' order from there."""
         keys = self._checked_joins(joins)
         outs: list[ForwardOutput | None] = [None] * len(joins)
         for group in join_plan(joins, self.join_tokens, equal=self._joins_need_equal_lengths()):

@@ -102,19 +102,21 @@ class RowBook:
         row's held positions up to its own, within ``window`` positions back when one is given)."""
         return visible_columns(query, self.positions, self.valid, window)
 
-    def crop(self, lengths: Sequence[int], names: Sequence, kept: Sequence[Sequence[int] | None] | None = None) -> bool:
+    def crop(self, lengths: Sequence[int], names: Sequence,
+             kept: Sequence[Sequence[int] | None] | None = None) -> bool:
         """Keep row ``r``'s first ``lengths[r]`` positions: its block's first columns, or, where
         ``kept[r]`` names them, those block columns (a tree's accepted path, in order, as many as
         the row keeps); whether the cache should compact now (:meth:`wants_compaction`)."""
         before, widths = _closed_block(self.block, lengths, names)
+        kept = [None] * len(lengths) if kept is None else kept
+        for row, (length, first, columns) in enumerate(zip(lengths, before.tolist(), kept)):
+            if columns is not None and len(columns) != length - first:
+                raise ValueError(f"sequence {names[row]!r} keeps {len(columns)} tree nodes for {length - first} positions")
         start = self.columns - max(widths)  # the block's first column
-        for row, (length, first) in enumerate(zip(lengths, before.tolist())):
-            columns = None if kept is None else kept[row]
+        for row, (length, first, columns) in enumerate(zip(lengths, before.tolist(), kept)):
             if columns is None:
                 self.valid[row, start + length - first:] = False
                 continue
-            if len(columns) != length - first:
-                raise ValueError(f"sequence {names[row]!r} keeps {len(columns)} tree nodes for {length - first} positions")
             self.valid[row, start:] = False
             self.valid[row, start + np.asarray(columns, dtype=np.int64)] = True
         self.block, self.ancestors = None, None
