@@ -184,7 +184,7 @@ def test_measured_points_close_together_are_not_extrapolated_flat():
         plan.observe(15, 15, 0.147)
         plan.observe(16, 16, 0.142)
     plan.cycles = WARM_UP + 1
-    assert plan.seconds(16, 128) == pytest.approx(0.147 * 8)
+    assert plan.seconds(16, 128) == pytest.approx(0.142 * 8)  # 16 rows' own point, in proportion
     assert plan.limits([ROOM] * 16, [history(ROOM)] * 16) == [0] * 16
     plan.observe(16, 128, 0.6)  # a wide cycle measured: read as measured
     assert plan.seconds(16, 128) == pytest.approx(0.6)
@@ -211,3 +211,20 @@ def test_a_costly_exploration_spaces_out_the_next_so_explorations_stay_a_small_s
     assert plan.limits([ROOM] * 4, [history(0)] * 4) == [0] * 4  # not yet (and plain pays)
     plan.cycles = plan._explore_at
     assert plan.limits([ROOM] * 4, [history(0)] * 4) != [0] * 4  # now
+
+
+def test_a_row_count_is_priced_from_its_own_cycles_not_a_curve_of_others():
+    """4-row cycles of 4 and 32 tokens, then 16-row plain cycles (16 tokens, dearer than the
+    4-row wide ones: more rows' attention and bookkeeping): a curve over all of them reads flat
+    past 16 tokens, pricing 16 rows of 8 like 16 of one. The 16 rows' own point is read in
+    proportion until a wider 16-row cycle is measured."""
+    plan = BatchPlan()
+    for _ in range(8):
+        plan.observe(4, 4, 0.004)
+        plan.observe(4, 32, 0.008)
+    for _ in range(4):
+        plan.observe(16, 16, 0.012)
+    plan.cycles = WARM_UP + 1
+    assert plan.seconds(16, 128) == pytest.approx(0.012 * 8)
+    assert plan.limits([ROOM] * 16, [history(ROOM)] * 16) == [0] * 16  # 8x the tokens for 8x the time: plain
+    assert plan.seconds(4, 32) == pytest.approx(0.008)  # the 4 rows' own curve, as measured

@@ -130,13 +130,16 @@ class BatchPlan:
 
     def _seconds(self, rows: int, tokens: float) -> float:
         """A forward's seconds over ``tokens`` computed tokens, read off the curve of the measured
-        ones (:func:`_read`; rarely a straight line: wider matrix products run faster per token);
-        the fitted line while fewer than two are known."""
+        ones of ``rows`` rows (:func:`_read`; rarely a straight line: wider matrix products run
+        faster per token; one point: in proportion to it); of any row count while none of
+        ``rows`` is known, the fitted line while fewer than two are. (A curve mixing row counts
+        read flat: after 4-row cycles of 4 and 32 tokens, 16 rows of 8 tokens were priced like 16
+        rows of one, and a 16-request batch on the shipped pair drafted at a loss.)"""
         key = ("curve", rows)  # one curve a cycle: the plan reads it at every width it tries
         if key not in self._memo:
             same = [(t, s) for r, t, s in self.samples if r == rows]
-            data = same if len({t for t, _ in same}) >= 2 else [(t, s) for _, t, s in self.samples]
-            self._memo[key] = _curve(data) if len({t for t, _ in data}) >= 2 else None
+            data = same or [(t, s) for _, t, s in self.samples]
+            self._memo[key] = _curve(data) if same or len({t for t, _ in data}) >= 2 else None
         if self._memo[key] is None:
             fixed, per_token = self.cost(rows)
             return fixed + per_token * tokens
@@ -223,7 +226,7 @@ class BatchPlan:
             order = np.lexsort((-able, -gain))  # worth most first (ties: the later row first)
             rates = (rows + np.cumsum(gain[order])) / (self.seconds(rows, rows * width) + drafting[:able.size])
             k = int(np.argmax(rates))
-            if rates[k] > best_rate:
+            if rates[k] > best_rate * (1 + 1e-9):  # a gain beyond rounding: a tie stays plain
                 best, best_rate = [0] * rows, float(rates[k])
                 for i in able[order[:k + 1]]:
                     best[i] = int(depth[i])
