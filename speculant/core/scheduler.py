@@ -292,7 +292,7 @@ class Scheduler:
                 live[i].loop.take_draft(draft, self._drafted[1] / len(rows))
         chains = [request.loop.proposal(trees=False) for request in live]
         # a row's tree as wide as the padded block the chains make (free there), or as its own chain where not padded
-        widest = max(len(chain.block(self.e.backend.ops)) for chain in chains)
+        widest = max(chain.num_tokens + 1 for chain in chains)
         return [request.loop.as_tree(chain, widest - 1 if self.rows.padded else chain.num_tokens)
                 for request, chain in zip(live, chains)]
 
