@@ -313,6 +313,12 @@ def test_a_request_moves_its_caches_into_a_batch_and_back(family, plain_tokens, 
     assert alone[0] is False and alone[-1] is True  # batched, then alone again
     assert 0 < long.loop.stats.batched_cycles < long.loop.stats.verify_steps
     assert (long.loop.stats.cache_moves, long.loop.stats.cache_rebuilds) == (2, 0)
+    # its state was stored at its end, through both moves: the next turn resumes it
+    turn = PROMPTS[1] + emitted["long"] + [3, 4]
+    resumed = engine.run(prompt_ids=turn, max_new_tokens=8, ignore_eos=True)
+    assert resumed.stats.cached_tokens == len(PROMPTS[1]) + NEW - 1
+    engine.prefix_store.clear()
+    assert resumed.token_ids == engine.run(prompt_ids=turn, max_new_tokens=8, ignore_eos=True).token_ids
 
 
 def batch_class(backend: str):

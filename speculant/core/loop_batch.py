@@ -24,12 +24,12 @@ class BatchedLoop:
         rows its forwards capture); drafting ahead ends for this request, and trees where the batch
         verifies none. A new request joins from the longest stored prefix of its prompt
         (prefix_request.py) and returns its first token; one that ran alone moves its caches in
-        (core/batch_move.py), and the prefix store's recording ends for it."""
+        (core/batch_move.py), its prefix store's recording going on from its row."""
         self._batched(rows)
         if not self.produced:
             return self._started(self.prefix.join(rows, key, capture))
-        self.prefix.active = False
         batch_move.into_batch(self.e.target, rows, key, self._context(), capture, self.stats)
+        self.prefix.moved_into(rows, key)
         return []
 
     def planned_join(self, rows: "BatchedTarget", key: Hashable) -> "Join | None":

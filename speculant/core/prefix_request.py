@@ -130,6 +130,10 @@ class PrefixRequest:
         rows.leave(key)
         return snapshot
 
+    def moved_into(self, rows: "BatchedTarget", key: Hashable) -> None:
+        """The request's caches, as they stood on the target's own, are row ``key`` of ``rows`` now."""
+        self.rows, self.row_key = rows, key
+
     def left_batch(self) -> None:
         """Back on the target's own cache (its row is gone)."""
         self.rows = self.row_key = None
