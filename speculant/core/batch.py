@@ -115,6 +115,15 @@ class BatchedTarget(ABC):
         self.keys.append(key)
         return True
 
+    def _stored_rows(self, restored: list[Restored]) -> "BatchedTarget":
+        """A batch of this kind holding each of ``restored``'s snapshots as a row, one below another,
+        at its own length (a group of joins then prefills the rest of their prompts after them)."""
+        group = type(self)(self.target)
+        for key, (snapshot, length) in enumerate(restored):
+            group._add_snapshot(snapshot, length)
+            group.keys.append(key)
+        return group
+
     def _add_snapshot(self, snapshot: CacheSnapshot, length: int) -> None:
         """A row holding ``snapshot``'s first ``length`` positions; backends whose
         :meth:`can_restore` says yes implement it."""

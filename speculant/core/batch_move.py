@@ -21,7 +21,7 @@ def into_batch(target: "TargetModel", rows: "BatchedTarget", key: Hashable, cont
     """Add row ``key`` to ``rows`` holding ``context``, from the target's cache where that holds
     exactly it, else prefilled (counted in ``stats``)."""
     snapshot = target.snapshot() if target.cache_length == len(context) else None
-    if snapshot is not None and snapshot.length == len(context) and rows.join_snapshot(key, snapshot):
+    if snapshot is not None and rows.join_snapshot(key, snapshot):
         stats.cache_moves += 1
         return
     rows.join(key, context, capture)

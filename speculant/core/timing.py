@@ -110,6 +110,11 @@ def timings_path() -> Path | None:
     return Path(setting).expanduser() if setting else speculant_home() / TIMINGS_FILE
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @functools.lru_cache(maxsize=1)
 def machine() -> dict[str, Any]:
     """What a measurement depends on besides the library and the layers: the CPU and its cores."""
@@ -118,8 +123,7 @@ def machine() -> dict[str, Any]:
         names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")]
         model = names[0] if names else model
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"system": platform.system(), "arch": platform.machine(), "cpu": model, "cores": cores}
+    return {"system": platform.system(), "arch": platform.machine(), "cpu": model, "cores": usable_cores()}
 
 
 def _as_read(value: Any) -> Any:

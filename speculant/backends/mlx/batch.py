@@ -119,10 +119,7 @@ class MLXBatch(BatchedTarget):
         if restored is None:
             return run_steps(self._prefill_steps(prompts, self._new_layers(), RowBook(lengths=[0] * len(prompts)),
                                                  capture))
-        group = MLXBatch(self.target)  # the stored rows, one below another, then the rest run after them
-        for key, (snapshot, length) in enumerate(restored):
-            group._add_snapshot(snapshot, length)
-            group.keys.append(key)
+        group = self._stored_rows(restored)  # the stored rows, then the rest run after them
         rests = [prompt[length:] for prompt, (_, length) in zip(prompts, restored)]
         return run_steps(self._prefill_steps(rests, group.layers, group.book, capture))
 

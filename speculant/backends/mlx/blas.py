@@ -29,6 +29,8 @@ import importlib.util
 import os
 import sys
 
+from speculant.core.timing import usable_cores
+
 ENV = "SPECULANT_MLX_BLAS"
 MKL_SEQUENTIAL = 1  # MKL_Set_Threading_Layer's values: one thread per call,
 MKL_GNU = 3  # or OpenMP through libgomp
@@ -70,7 +72,7 @@ def _preload() -> str:
 
 def _mkl_threads(library) -> int:
     """Set MKL's threads per call: the usable cores through libgomp where it loads, else one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     threads = min(cores, int(os.environ.get("MKL_NUM_THREADS", cores) or cores))
     if threads > 1:
         try:

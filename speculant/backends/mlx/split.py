@@ -16,7 +16,6 @@ per thread (``mx.new_thread_local_stream``), so an engine serves any thread.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import mlx.core as mx
@@ -26,14 +25,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from speculant.backends.mlx.layout import (CHECK_TOLERANCE, TransposedLinear, TransposedTiedEmbedding, library_key,
                                            relative_error)
 from speculant.core import timing
+from speculant.core.timing import usable_cores
 
 MAX_PARTS = 4  # streams a product is split over at most
 MIN_ELEMENTS = 1 << 16  # smaller layers stay whole: their products cost less than the streams' sync
 BLOCK_ROWS = 8  # the rows of a verify block, as the split is timed
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @cache
