@@ -3,10 +3,12 @@
     python benchmarks/tree_acceptance.py --target DIR --draft DIR --drafter dflash2 --data DATA_DIR \
         [--prompts 16] [--max-new-tokens 128] [--budgets 16,32] [--temperature 0] [--lookup] \
         [--shape NAME='{"scores": "selector", "score_temperature": 1.5}' ...]
+    python benchmarks/tree_acceptance.py --pair tiny [--drafter dflash2] ...   # the shipped pair
 
 Runs the chain (the default verifier) and the `tree` verifier at each budget and tree shape
 (``--shape``: a name and `tree` verifier options beside budget; default one shape, the
-verifier's defaults) on the same prompts (the held-out split of `speculant train data`), and
+verifier's defaults) on the same prompts (the held-out split of `speculant train data`; with
+``--pair tiny`` the shipped pair and its held-out Python windows, benchmarks/embedded_pair.py), and
 prints a JSON line per arm: mean acceptance length over the prompts, and the ratio to the chain.
 ``--lookup`` turns prompt lookup on for every arm (the copy rides as one more path of a tree). Acceptance does not depend on the machine's
 load, so the figure holds on a busy CPU; tokens/s is printed beside it but is not a ratio to quote
@@ -24,10 +26,11 @@ import speculant
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
+    p.add_argument("--pair", choices=["tiny"], help="the shipped pair (no --target, --draft, --data)")
+    p.add_argument("--target")
+    p.add_argument("--draft")
     p.add_argument("--drafter", default="dflash2")
-    p.add_argument("--data", required=True)
+    p.add_argument("--data")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budgets", default="16,32")
@@ -40,11 +43,20 @@ def main() -> None:
     p.add_argument("--no-chain", action="store_true", help="skip the chain arm (ratios then read 1.0 for the first)")
     args = p.parse_args()
     shapes = [(name, json.loads(options)) for name, options in (s.split("=", 1) for s in args.shape)] or [("", {})]
-    from transformers import AutoTokenizer
+    if args.pair:
+        from embedded_pair import held_out_prompts
+        from speculant.embedded import PAIR_DIR
 
-    from speculant.training.data import held_out_prompt_ids
+        args.target, args.draft = str(PAIR_DIR / "target"), str(PAIR_DIR / args.drafter)
+        prompts = held_out_prompts(args.prompts)
+    elif not (args.target and args.draft and args.data):
+        p.error("give --target, --draft and --data, or --pair tiny")
+    else:
+        from transformers import AutoTokenizer
 
-    prompts = held_out_prompt_ids(args.data, AutoTokenizer.from_pretrained(args.target))[: args.prompts]
+        from speculant.training.data import held_out_prompt_ids
+
+        prompts = held_out_prompt_ids(args.data, AutoTokenizer.from_pretrained(args.target))[: args.prompts]
     trees = [(f"tree B={b} {name}".rstrip(), {"kind": "tree", "options": {"budget": int(b), "width": args.width, **options}})
              for name, options in shapes for b in args.budgets.split(",")]
     arms = ([] if args.no_chain else [("chain", None)]) + trees
