@@ -2,26 +2,26 @@
 
     python benchmarks/tree_expected.py [--pair tiny | --target DIR --draft DIR --data DATA_DIR]
         [--drafter dflash2] [--prompts 16] [--max-new-tokens 128] [--temperature 0.8]
-        [--shape NAME=BUDGET[:CHAIN_BONUS] ...]   # CHAIN_BONUS: inf (default), a number, or off
+        [--shape NAME='{"budget": 32, "width": 8, "scores": "selector"}' ...]
 
 Sampled runs of tree_acceptance.py compare arms on different texts (each run samples its own
 continuation), so their means differ by more than the shapes do. Here one run decodes; at every
 tree cycle each shape builds its tree from the same draft, the target runs the union of those
 trees in one forward (a node's logits depend only on its path, so every shape's nodes are there),
 and each shape's **expected** accepted length is computed exactly from the target's distributions
-at its nodes: sum over its nodes of the probability that the walk reaches them (sample and match:
-the target's probability of the child; at a node of the draft's sampled chain, min(1, p/q) for
-the chain's child and the rejection's residual for the others). The chain's own expectation (the
-sampled chain alone, speculative sampling) is reported beside them. The run itself verifies the
-union tree by sample and match. Reported: mean expected accepted drafts per cycle + 1 (the
-acceptance length), and its ratio to the chain's.
+at its nodes: the sum over its nodes of the probability that sample and match reaches them (the
+product of the target's probabilities of the path's tokens). The chain's own expectation (the
+draft's chain verified alone by speculative sampling: min(1, p/q) per token, q one-hot for an
+argmax chain) is reported beside them, so the ratio is the one issue #40 asks for, paired and
+free of the sampling noise. The run itself verifies the union tree by sample and match.
+Reported: mean expected accepted drafts per cycle + 1 (the acceptance length), its ratio to the
+chain's, and the median of the per-prompt ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 
 import numpy as np
@@ -33,30 +33,14 @@ from speculant.verifiers.tree import TreeShape, draft_tree, tree_verify
 from speculant.verifiers.tree_verifier import TreeVerifier
 
 
-def expected_drafts(tree: DraftTree, probs: np.ndarray, node_of: list[int], sampled, q_rows) -> float:
-    """Expected accepted drafts of ``tree`` whose node i has the target distribution
-    ``probs[node_of[i]]``; ``sampled`` the draft's chain (a SampledPath, or None), ``q_rows`` [m, V]."""
-    chain = {} if sampled is None else {n: j for j, n in enumerate(sampled.nodes[: sampled.tested])}
-    children = tree.children()
+def expected_drafts(tree: DraftTree, probs: np.ndarray, node_of: list[int]) -> float:
+    """Expected drafts sample and match accepts on ``tree``, whose node i has the target
+    distribution ``probs[node_of[i]]``."""
     reach = np.zeros(tree.size)
     reach[0] = 1.0
-    for n in range(tree.size):  # parents come first
-        if reach[n] == 0.0 or not children[n]:
-            continue
-        p = probs[node_of[n]]
-        if n in chain:
-            j = chain[n]
-            x = sampled.tokens[j]
-            x_node = sampled.nodes[j + 1] if j + 1 < len(sampled.nodes) else None  # None: x emitted, the walk stops
-            q = q_rows[j]
-            accept = min(1.0, p[x] / q[x]) if q[x] > 0 else 0.0
-            left = np.maximum(p - q, 0.0)
-            left = left / left.sum() if left.sum() > 0 else p
-            for token, child in children[n].items():
-                reach[child] = reach[n] * (accept if child == x_node else (1.0 - accept) * left[token])
-        else:
-            for token, child in children[n].items():
-                reach[child] = reach[n] * p[token]
+    for n in range(1, tree.size):  # parents come first
+        parent = tree.parents[n]
+        reach[n] = reach[parent] * probs[node_of[parent]][tree.tokens[n]]
     return float(reach[1:].sum())
 
 
@@ -73,36 +57,37 @@ def chain_expected(p_rows: list[np.ndarray], tokens: list[int], q_rows) -> float
 class Probe(TreeVerifier):
     """The `tree` verifier, building every shape's tree and verifying their union."""
 
-    def __init__(self, shapes: dict[str, tuple[int, TreeShape]], width: int) -> None:
-        super().__init__({"budget": max(b for b, _ in shapes.values()), "width": width})
+    def __init__(self, shapes: dict[str, dict]) -> None:
+        super().__init__()
         self.shapes, self.sums, self.chain_sum, self.cycles = shapes, {k: 0.0 for k in shapes}, 0.0, 0
         self.pending = None
 
     def tree(self, ops, draft, anchor_id, budget=None):
         if draft.logits is None or draft.num_tokens < 1:
             return None
-        built = {name: draft_tree(ops, draft, anchor_id, b, self.width, shape) for name, (b, shape) in self.shapes.items()}
+        built = {name: draft_tree(ops, draft, anchor_id, o.get("budget", 16), o.get("width", 8),
+                                  TreeShape(o.get("scores", "selector")))[0] for name, o in self.shapes.items()}
         union = DraftTree((anchor_id,), (-1,))
-        for b in built.values():
-            for leaf in b.tree.leaves():
-                union, _ = with_branch(union, [b.tree.tokens[n] for n in b.tree.path_to(leaf)[1:]])
+        for tree in built.values():
+            for leaf in tree.leaves():
+                union, _ = with_branch(union, [tree.tokens[n] for n in tree.path_to(leaf)[1:]])
         chain = [int(t) for t in ops.to_list(draft.token_ids[: draft.num_tokens])]
         union, _ = with_branch(union, chain)
         self.pending = (built, draft, chain)
-        self._sampled, self._branch, self._copy_nodes = None, None, []
+        self._branch, self._copy_nodes = None, []
         return union
 
     def verify_tree(self, ops, tree, target_logits, sampling, rng):
         built, draft, chain = self.pending
         probs = np.asarray(ops.to_list(target_probs(ops, target_logits[: tree.size], sampling)), dtype=np.float64)
         probs = probs / probs.sum(axis=1, keepdims=True)
-        vocab = probs.shape[1]
-        q = None
-        if draft.draft_probs is not None:
-            q = np.zeros((draft.num_tokens, vocab))
-            values = np.asarray(ops.to_list(draft.draft_probs[: draft.num_tokens]), dtype=np.float64)
-            ids = None if draft.candidate_ids is None else np.asarray(ops.to_list(draft.candidate_ids[: draft.num_tokens]))
-            for j in range(draft.num_tokens):
+        q = np.zeros((len(chain), probs.shape[1]))
+        if draft.draft_probs is None:  # an argmax chain: q is one-hot
+            q[np.arange(len(chain)), chain] = 1.0
+        else:
+            values = np.asarray(ops.to_list(draft.draft_probs[: len(chain)]), dtype=np.float64)
+            ids = None if draft.candidate_ids is None else np.asarray(ops.to_list(draft.candidate_ids[: len(chain)]))
+            for j in range(len(chain)):
                 if ids is None:
                     q[j] = values[j]
                 else:
@@ -115,22 +100,13 @@ class Probe(TreeVerifier):
                 out[i] = union_children[out[t.parents[i]]][t.tokens[i]]
             return out
 
-        for name, b in built.items():
-            sampled = None if q is None else b.sampled
-            self.sums[name] += expected_drafts(b.tree, probs, node_map(b.tree), sampled, q)
+        for name, built_tree in built.items():
+            self.sums[name] += expected_drafts(built_tree, probs, node_map(built_tree))
         chain_tree = DraftTree.chain([tree.tokens[0], *chain])
         rows = [probs[i] for i in node_map(chain_tree)[:-1]]
-        self.chain_sum += chain_expected(rows, chain, q) if q is not None else sum(
-            math.prod(r[x] for r, x in zip(rows[: k + 1], chain[: k + 1])) for k in range(len(chain)))
+        self.chain_sum += chain_expected(rows, chain, q)
         self.cycles += 1
         return tree_verify(ops, tree, target_logits, sampling, rng)
-
-
-def parse_shape(text: str) -> tuple[str, tuple[int, TreeShape]]:
-    name, spec = text.split("=", 1)
-    budget, _, bonus = spec.partition(":")
-    chain_bonus = math.inf if bonus in ("", "inf") else (-math.inf if bonus == "off" else float(bonus))
-    return name, (int(budget), TreeShape(chain_bonus=chain_bonus))
 
 
 def main() -> None:
@@ -143,11 +119,14 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--width", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shape", action="append", default=[], metavar="NAME=BUDGET[:CHAIN_BONUS]")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=JSON",
+                   help="a tree shape: its name and `tree` verifier options (budget, width, scores)")
     args = p.parse_args()
-    shapes = dict(parse_shape(s) for s in args.shape or ["B16=16", "B32=32", "B16_no_chain=16:off", "B32_no_chain=32:off"])
+    if args.temperature <= 0:
+        p.error("--temperature must be above 0 (greedy acceptance is not an expectation: use tree_acceptance.py)")
+    shapes = {name: json.loads(options) for name, options in (s.split("=", 1) for s in args.shape)}
+    shapes = shapes or {"B16": {"budget": 16}, "B32": {"budget": 32}}
     if args.pair:
         from embedded_pair import held_out_prompts
         from speculant.embedded import PAIR_DIR
@@ -164,7 +143,7 @@ def main() -> None:
                                     "target": {"path": args.target},
                                     "drafter": {"kind": args.drafter, "path": args.draft},
                                     "verifier": {"kind": "tree"}})
-    probe = engine.verifier = Probe(shapes, args.width)
+    probe = engine.verifier = Probe(shapes)
     per_prompt = []
     for i, ids in enumerate(prompts):
         before = (dict(probe.sums), probe.chain_sum, probe.cycles)

@@ -138,3 +138,29 @@ def test_batch_trees_benchmark_compares_trees_and_chains_batched():
     assert "c=2" in out and "tree/chain" in out and "MISMATCH" not in out, out
     trees = int(out.split(" trees)")[0].rsplit(", ", 1)[1])
     assert trees > 0, out
+
+
+def test_tree_expected_benchmark_reports_paired_expected_acceptance():
+    """benchmarks/tree_expected.py (smoke size): a tree of 16 holds the tree of 4 (the same heap's
+    first pops), so its expected acceptance cannot be lower; the expectation itself equals what
+    sample and match accepts on average (Monte Carlo on a fixed table)."""
+    out = run("benchmarks/tree_expected.py", "--pair", "tiny", "--prompts", "1", "--max-new-tokens", "24",
+              "--shape", 'small={"budget": 4}', "--shape", 'big={"budget": 16}')
+    report = json.loads(out[out.index("{"):])
+    assert report["cycles"] > 0 and report["chain_acceptance_length"] >= 1.0
+    assert report["big"]["acceptance_length"] >= report["small"]["acceptance_length"] >= 1.0
+
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tree_expected import expected_drafts
+    from test_tree import NP, TREE, target_logits
+
+    from speculant.core.types import SamplingParams
+    from speculant.verifiers.tree import tree_verify
+
+    logits, rng = target_logits(), np.random.default_rng(0)
+    probs = np.exp(logits.astype(np.float64))
+    probs /= probs.sum(axis=1, keepdims=True)
+    drawn = np.mean([tree_verify(NP, TREE, logits, SamplingParams(temperature=1.0), rng).accepted for _ in range(20000)])
+    assert abs(expected_drafts(TREE, probs, list(range(TREE.size))) - drawn) < 0.02

@@ -325,13 +325,13 @@ def test_selector_scores_put_the_selectors_child_first():
     from speculant.verifiers.tree import TreeShape, draft_tree
 
     draft = two_row_draft()
-    marginal = draft_tree(NP, draft, 0, 3, 2, TreeShape(scores="marginal")).tree
-    selected = draft_tree(NP, draft, 0, 3, 2, TreeShape(scores="selector")).tree
+    marginal, _ = draft_tree(NP, draft, 0, 3, 2, TreeShape(scores="marginal"))
+    selected, _ = draft_tree(NP, draft, 0, 3, 2, TreeShape(scores="selector"))
     assert marginal.tokens == (0, 1, 3, 2) and marginal.parents == (-1, 0, 1, 0)
     assert selected.tokens == (0, 1, 4, 2) and selected.parents == (-1, 0, 1, 0)
     # a draft without path scores keeps the marginal tree
     plain = Draft(draft.token_ids, 2, logits=draft.logits)
-    assert draft_tree(NP, plain, 0, 3, 2, TreeShape(scores="selector")).tree == marginal
+    assert draft_tree(NP, plain, 0, 3, 2, TreeShape(scores="selector"))[0] == marginal
 
 
 def test_the_tree_verifier_reads_its_shape_options():

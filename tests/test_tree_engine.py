@@ -333,9 +333,7 @@ def test_first_sampled_tree_tokens_follow_the_target_at_temperature_0_8(real_pai
 
 def test_first_sampled_tokens_of_selector_shaped_trees_follow_the_target_at_temperature_0_8(real_pair):
     engine = real_engine(real_pair, "dflash2", "torch", budget=8, width=3)  # shaped by the selector (default)
-    runs = assert_second_token_follows_the_target(engine, real_pair["target"])
-    # DFlash2 samples its chain: every tree held it and verified it by speculative sampling
-    assert all(run.stats.verifier["sampled_chains"] == run.stats.verifier["trees"] for run in runs)
+    assert_second_token_follows_the_target(engine, real_pair["target"])
 
 
 def test_first_sampled_tree_tokens_of_a_hybrid_follow_the_target_at_temperature_0_8(tmp_path, torch_threads):
@@ -365,4 +363,3 @@ def assert_second_token_follows_the_target(engine, target):
     counts = {t: sum(p[0] == t for p in pairs) for t in firsts}
     expected = sum(counts[t] * reference_probs(logits[i], 0.8) for i, t in enumerate(firsts)) / len(pairs)
     assert gof_pvalue(np.array([p[1] for p in pairs]), expected) > 1e-3
-    return runs

@@ -33,7 +33,6 @@ from speculant.core.sampling import inverse_cdf, target_probs
 from speculant.core.tree import DraftTree, with_branch
 from speculant.core.types import Draft, PathScores, SamplingParams, Verification
 from speculant.verifiers.acceptance import _raise_non_finite, fetch, verify_rows
-from speculant.verifiers.tree_sampled import ChainTests, SampledPath, coupled_parts, depth_counts, with_sampled_path
 
 
 def top_candidates(ops: ArrayOps, logits: Array, width: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -90,92 +89,47 @@ def best_first(anchor_id: int, rows: int, children: Children, budget: int) -> Dr
 def build_tree(anchor_id: int, top_ids: list[list[int]], top_logprobs: list[list[float]], budget: int) -> DraftTree:
     """The ``budget`` most probable prefixes (root not counted) of the per-depth candidates under
     the product of the marginals, in the order the heap pops them (every parent before its children)."""
-    ranked = marginal_ranks(top_ids, top_logprobs)
-    return best_first(anchor_id, len(top_ids), ranked, budget)
-
-
-def marginal_ranks(top_ids: list[list[int]], top_logprobs: list[list[float]]) -> Children:
-    """Each row's candidates under the marginals, whatever the parent (the state is 0)."""
     ranked = [list(zip(ids, logprobs, [0] * len(ids))) for ids, logprobs in zip(top_ids, top_logprobs)]
-    return lambda row, state: ranked[row]
-
-
-def selector_ranks(scores: PathScores, log_mass: list[float]) -> Children:
-    """Each row's selector candidates after a parent (its candidate slot; -1 for the root), all of
-    them, ranked by softmax(S_t(parent, .)) plus the log of the share of row t's marginal those
-    candidates hold (``log_mass[t]``, so that rows weigh against each other as under the marginals)."""
-    memo: dict[tuple[int, int], list[tuple[int, float, int]]] = {}
-
-    def ranked(row: int, state: int) -> list[tuple[int, float, int]]:
-        if (row, state) not in memo:
-            raw = np.asarray(scores.first if row == 0 else scores.pairs[row - 1, state], dtype=np.float64)
-            logprobs = raw - raw.max() - math.log(np.exp(raw - raw.max()).sum()) + log_mass[row]
-            order = np.argsort(-logprobs, kind="stable")
-            memo[row, state] = [(int(scores.candidates[row, j]), float(logprobs[j]), int(j)) for j in order]
-        return memo[row, state]
-
-    return ranked
+    return best_first(anchor_id, len(ranked), lambda row, state: ranked[row], budget)
 
 
 def selector_tree(anchor_id: int, scores: PathScores, log_mass: list[float], budget: int, width: int) -> DraftTree:
-    """The ``budget`` most probable prefixes when a candidate's probability depends on its parent
-    (DFlash2's path scores, :func:`selector_ranks`). Only a row's ``width`` best candidates after a
-    parent can appear."""
-    ranked = selector_ranks(scores, log_mass)
-    return best_first(anchor_id, len(log_mass), lambda row, state: ranked(row, state)[:width], budget)
+    """The ``budget`` most probable prefixes when a candidate's probability depends on its parent:
+    softmax(S_t(parent, .)) over the row's selector candidates (DFlash2's path scores), times the
+    share of row t's marginal those candidates hold (``log_mass[t]``, so that rows weigh against
+    each other as under the marginals). Only a row's ``width`` best candidates after a parent can
+    appear."""
+    rows = len(log_mass)
+    memo: dict[tuple[int, int], list[tuple[int, float, int]]] = {}
+
+    def children(row: int, state: int) -> list[tuple[int, float, int]]:
+        if (row, state) not in memo:
+            raw = np.asarray(scores.first if row == 0 else scores.pairs[row - 1, state], dtype=np.float64)
+            logprobs = raw - raw.max() - math.log(np.exp(raw - raw.max()).sum()) + log_mass[row]
+            order = np.argsort(-logprobs, kind="stable")[:width]
+            memo[row, state] = [(int(scores.candidates[row, j]), float(logprobs[j]), int(j)) for j in order]
+        return memo[row, state]
+
+    return best_first(anchor_id, rows, children, budget)
 
 
 def draft_tree(ops: ArrayOps, draft: Draft, anchor_id: int, budget: int, width: int,
-               shape: "TreeShape | None" = None) -> "BuiltTree":
+               shape: "TreeShape | None" = None) -> tuple[DraftTree, list[int]]:
     """The tree of ``draft``'s per-position distributions (``draft.logits``, which must be set),
-    shaped as ``shape`` says; a sampled draft's own chain as one of its paths (a draft with q rows:
-    its tokens were drawn from them, :mod:`speculant.verifiers.tree_sampled`); its prompt-lookup
-    copy (``draft.branch_ids``) as one more path beyond the budget."""
+    shaped as ``shape`` says, with its prompt-lookup copy (``draft.branch_ids``) as one more path;
+    and the nodes only the copy proposed (beyond the budget)."""
     shape = shape or TreeShape()
     logits = draft.logits[: draft.num_tokens]
     scores = draft.path_scores if shape.scores == "selector" else None
-    rows = draft.num_tokens if scores is None else min(draft.num_tokens, int(scores.candidates.shape[0]))
-    coupled = draft.draft_probs is not None and budget > 0 and shape.chain_bonus > -math.inf
-    path, path_logprobs = _chain(ops, draft.token_ids, logits, min(rows, budget)) if coupled else ([], [])
     if scores is not None:
+        rows = min(draft.num_tokens, int(scores.candidates.shape[0]))
         _, top_logprobs = top_candidates(ops, logits[:rows], int(scores.candidates.shape[1]))
-        ranked = selector_ranks(scores, [_logsumexp(row) for row in top_logprobs])
-        children: Children = lambda row, state: ranked(row, state)[:width]  # noqa: E731
+        log_mass = [_logsumexp(row) for row in top_logprobs]
+        tree = selector_tree(anchor_id, scores, log_mass, budget, width)
     else:
         top_ids, top_logprobs = top_candidates(ops, logits, width)
-        children = marginal_ranks(top_ids, top_logprobs)
-        for row, (token, logprob) in enumerate(zip(path, path_logprobs)):  # the chain's own scores
-            if token not in top_ids[row]:
-                top_ids[row], top_logprobs[row] = top_ids[row] + [token], top_logprobs[row] + [logprob]
-        ranked = marginal_ranks(top_ids, top_logprobs)
-    tree, sampled = best_first(anchor_id, rows, children, budget), None
-    if coupled:
-        reserved = len(path) if shape.chain_bonus == math.inf else 0  # a whole chain needs a node per depth
-        counts = depth_counts(tree, reserved, budget)
-        tree, nodes = with_sampled_path(anchor_id, counts, children, ranked, path, shape.chain_bonus)
-        whole = shape.chain_bonus == math.inf and len(path) == draft.num_tokens
-        sampled = SampledPath(tuple(path), nodes, draft, whole)
-    tree, copy_nodes = with_branch(tree, draft.branch_ids) if draft.branch_ids else (tree, [])
-    return BuiltTree(tree, copy_nodes, sampled)
-
-
-def _chain(ops: ArrayOps, token_ids: Array, logits: Array, length: int) -> tuple[list[int], list[float]]:
-    """The draft's first ``length`` tokens and their log-probabilities under its marginals, in one
-    transfer."""
-    ids = token_ids[:length]
-    logprobs = ops.gather(ops.log_softmax(ops.float32(logits[:length])), ids[:, None])[:, 0]
-    host = fetch(ops, [ids, logprobs])
-    return [int(t) for t in host[:length]], host[length:]
-
-
-@dataclass(frozen=True)
-class BuiltTree:
-    """A cycle's tree, the nodes only its prompt-lookup copy proposed, and the draft's sampled chain
-    in it (None for a draft not sampled from q rows)."""
-
-    tree: DraftTree
-    copy_nodes: list[int]
-    sampled: SampledPath | None = None
+        tree = build_tree(anchor_id, top_ids, top_logprobs, budget)
+    return with_branch(tree, draft.branch_ids) if draft.branch_ids else (tree, [])
 
 
 @dataclass(frozen=True)
@@ -184,8 +138,6 @@ class TreeShape:
     (``"marginal"``) or from its path selector where the draft has one (``"selector"``)."""
 
     scores: str = "selector"
-    chain_bonus: float = 0.0  # a sampled chain's node is kept while its log-probability plus this
-    # reaches the weakest node kept at its depth (inf: always, within the budget; -inf: no chain)
 
 
 def _logsumexp(values: list[float]) -> float:
@@ -195,37 +147,28 @@ def _logsumexp(values: list[float]) -> float:
 
 def tree_verify(
     ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams, rng: Any,
-    chain_ids: Sequence[int] | None = None, sampled: SampledPath | None = None,
+    chain_ids: Sequence[int] | None = None,
 ) -> Verification:
-    """Sample and match over ``tree`` with the target's logits at every node ([T, V], node order);
-    under sampling, speculative sampling at the nodes of the draft's ``sampled`` chain.
+    """Sample and match over ``tree`` with the target's logits at every node ([T, V], node order).
 
     ``Verification.path`` holds the nodes of the anchor and the accepted drafts;
-    ``Verification.chain_accepted`` how many of the chain's drafts the same draws accept: greedy,
-    the chain being ``chain_ids`` (a prompt-lookup copy the tree carries) or else the tree's first
-    children; sampled, the ``sampled`` chain's (speculative sampling's own count). A sampled tree
-    without that chain leaves it None: the chain's own rule, min(1, p/q) over drafts drawn from q,
-    accepts more often than the target's draws match a fixed path, so pairing would price it too low.
-    Uniforms per sampled cycle: one per node, then one per drafted token of ``sampled``."""
+    ``Verification.chain_accepted`` how many of the chain's drafts the same picks accept, the chain
+    being ``chain_ids`` (a prompt-lookup copy the tree carries) or else the tree's first children;
+    greedy only. Sampling leaves it None: a sampled chain is not the tree's first-child path (a
+    DFlash2 or MTP chain samples its own path) and speculative sampling accepts its drafts with
+    min(1, p/q), more often than the target's samples match a path, so pairing would price the
+    chain too low."""
     rows = verify_rows(target_logits, tree.size - 1)
-    sampled = None if sampling.is_greedy else sampled
-    parts, tests = [], None
     if sampling.is_greedy:
         picks, row_max = ops.argmax(rows), ops.max(rows)
         temperature = None
     else:
-        m = 0 if sampled is None else sampled.tested
-        u = rng.random(tree.size + m)
+        u = rng.random(tree.size)
         probs = target_probs(ops, rows, sampling)
-        picks, row_max = inverse_cdf(ops, probs, ops.asarray(u[: tree.size, None])), ops.max(probs)
+        picks, row_max = inverse_cdf(ops, probs, ops.asarray(u[:, None])), ops.max(probs)
         temperature = sampling.temperature
-        if m:
-            parts = coupled_parts(ops, probs, sampled, u)
-    host = fetch(ops, [picks, row_max] + parts)
-    picked, maxima = host[: tree.size], host[tree.size : 2 * tree.size]
-    if parts:
-        m, rest = sampled.tested, host[2 * tree.size :]
-        tests = ChainTests(sampled, rest[:m], rest[m : 2 * m], rest[2 * m :], u[tree.size :])
+    host = fetch(ops, [picks, row_max])
+    picked, maxima = host[: tree.size], host[tree.size:]
     fail = partial(_raise_non_finite, ops, rows, 0, temperature=temperature)
     children = tree.children()
     node, path = 0, [0]
@@ -233,19 +176,13 @@ def tree_verify(
         ok = math.isfinite(maxima[node]) if temperature is None else 0.0 < maxima[node] < math.inf
         if not ok:
             fail(node)
-        child, token = tests.step(node) if tests is not None else (None, None)
-        if child is None:
-            token = int(picked[node]) if token is None else token
-            child = children[node].get(token)
+        child = children[node].get(int(picked[node]))
         if child is None:
             break
         node = child
         path.append(node)
-    emitted = [tree.tokens[n] for n in path[1:]] + [token]
-    if temperature is None:
-        chain = chain_depth(children, picked, chain_ids)
-    else:
-        chain = tests.accepted() if tests is not None and sampled.whole else None
+    emitted = [tree.tokens[n] for n in path[1:]] + [int(picked[node])]
+    chain = chain_depth(children, picked, chain_ids) if temperature is None else None
     return Verification(len(path) - 1, emitted, tuple(path), chain)
 
 

@@ -14,7 +14,6 @@ from speculant.core.tree import DraftTree
 from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
 from speculant.verifiers.acceptance import speculative_verify
 from speculant.verifiers.tree import TreeShape, draft_tree, tree_verify
-from speculant.verifiers.tree_sampled import SampledPath
 
 
 class TreeOptions(UserModel):
@@ -61,7 +60,6 @@ class TreeVerifier(Verifier):
         self._next: str | None = None  # a kind decided by tree_next, for tree()
         self._copy_nodes: list[int] = []
         self._branch: tuple[int, ...] | None = None
-        self._sampled: SampledPath | None = None
         self._copy_chain = False
 
     def begin(self, context_length: int) -> None:
@@ -83,9 +81,9 @@ class TreeVerifier(Verifier):
         if (decided or (self.choice.next() if self.choice is not None else "tree")) == "chain":
             return None
         nodes = self.budget if budget is None else min(self.budget, budget)
-        built = draft_tree(ops, draft, anchor_id, nodes, self.width, self.shape)
-        self._copy_nodes, self._sampled, self._branch = built.copy_nodes, built.sampled, draft.branch_ids
-        return built.tree
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, nodes, self.width, self.shape)
+        self._branch = draft.branch_ids
+        return tree
 
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
@@ -93,8 +91,8 @@ class TreeVerifier(Verifier):
 
     def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                     rng: Any) -> Verification:
-        verification = tree_verify(ops, tree, target_logits, sampling, rng, self._branch, self._sampled)
-        self._stats.record(tree, verification.path, self._copy_nodes, self._sampled if not sampling.is_greedy else None)
+        verification = tree_verify(ops, tree, target_logits, sampling, rng, self._branch)
+        self._stats.record(tree, verification.path, self._copy_nodes)
         return verification
 
     def tree_refused(self, reason: str) -> None:
@@ -266,17 +264,10 @@ class TreeStats:
         self.branch_used_per_depth: list[int] = []
         self.copy_branches = 0
         self.copy_nodes_accepted = 0
-        self.sampled_chains = 0
-        self.sampled_chain_accepted = 0
 
-    def record(self, tree: DraftTree, path: tuple[int, ...], copy_nodes: list[int] = (),
-               sampled: SampledPath | None = None) -> None:
-        """``copy_nodes``: the nodes only a prompt-lookup copy proposed; ``sampled``: the draft's
-        sampled chain the tree verified by speculative sampling."""
+    def record(self, tree: DraftTree, path: tuple[int, ...], copy_nodes: list[int] = ()) -> None:
+        """``copy_nodes``: the nodes only a prompt-lookup copy proposed."""
         self.trees += 1
-        if sampled is not None:
-            self.sampled_chains += 1
-            self.sampled_chain_accepted += len(set(path) & set(sampled.nodes[1:]))
         self.copy_branches += int(bool(copy_nodes))
         self.copy_nodes_accepted += len(set(path) & set(copy_nodes))
         self.nodes_verified += tree.size
@@ -298,6 +289,4 @@ class TreeStats:
             "branch_used_per_depth": list(self.branch_used_per_depth),
             "copy_branches": self.copy_branches,
             "copy_nodes_accepted": self.copy_nodes_accepted,
-            "sampled_chains": self.sampled_chains,
-            "sampled_chain_accepted": self.sampled_chain_accepted,
         }

@@ -16,7 +16,6 @@ from speculant.core.arrays import Array, ArrayOps
 from speculant.core.tree import DraftTree
 from speculant.core.types import Draft, DraftSource, SamplingParams, Verification
 from speculant.verifiers.tree import draft_tree, tree_verify
-from speculant.verifiers.tree_sampled import SampledPath
 from speculant.verifiers.tree_verifier import CostChoice, TreeStats
 
 CHAIN = "chain"
@@ -40,7 +39,6 @@ class TreeArms:
         self.chain_width: int | None = None  # the drafts the policy last verified as a chain
         self._copy_nodes: list[int] = []
         self._branch: tuple[int, ...] | None = None
-        self._sampled: SampledPath | None = None
         self.no_distributions = False  # the drafter's drafts carry no per-position distributions
 
     def begin(self) -> None:
@@ -96,8 +94,7 @@ class TreeArms:
             return None
         start = time.perf_counter()
         nodes = self.budgets[self.arm] if budget is None else min(self.budgets[self.arm], budget)
-        built = draft_tree(ops, draft, anchor_id, nodes, self.width)
-        tree, self._copy_nodes, self._sampled = built.tree, built.copy_nodes, built.sampled
+        tree, self._copy_nodes = draft_tree(ops, draft, anchor_id, nodes, self.width)
         self._branch = draft.branch_ids
         self.depth = max(tree.depths)
         self.host_s += time.perf_counter() - start
@@ -106,9 +103,9 @@ class TreeArms:
     def verify(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
         start = time.perf_counter()
-        verification = tree_verify(ops, tree, target_logits, sampling, rng, self._branch, self._sampled)
+        verification = tree_verify(ops, tree, target_logits, sampling, rng, self._branch)
         self.host_s += time.perf_counter() - start
-        self.stats.record(tree, verification.path, self._copy_nodes, None if sampling.is_greedy else self._sampled)
+        self.stats.record(tree, verification.path, self._copy_nodes)
         return verification
 
     def observe(self, verification: Verification, submitted: int, seconds: float) -> None:
