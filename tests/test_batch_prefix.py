@@ -143,17 +143,21 @@ def test_batched_requests_resume_stored_prefixes(family, drafter_rows, name, bac
 
 TOGETHER = [(SHARED_A + [7, 8, 9], NEW), (SHARED_B + [11, 12, 13], NEW), (SHARED_A + [21, 22, 23], NEW),
             (SHARED_B + [31, 32], NEW)]  # tokens after the stored prefixes: 3, 3, 3, 2
+ONE_EACH = [(SHARED_A + [7], NEW), (SHARED_B + [11], NEW), (SHARED_A + [21], NEW)]  # one token each after them
 
 
 @pytest.mark.parametrize(("name", "backend"), CASES)
-def test_requests_restoring_stored_prefixes_join_together(family, drafter_rows, name, backend, monkeypatch):
+@pytest.mark.parametrize("one_each", [False, True])
+def test_requests_restoring_stored_prefixes_join_together(family, drafter_rows, name, backend, monkeypatch, one_each):
     """Requests admitted together that resume stored prefixes (two prefixes, of 40 and 36
     tokens) prefill the rest of their prompts as rows of one forward, each after its own restored
-    positions (a hybrid's group: equal rests only), and each equals its cold run."""
+    positions (a hybrid's group: equal rests only), and each equals its cold run; also when each
+    has one token left to run (until 2026-12-06 those joined one forward each)."""
+    prompts = ONE_EACH if one_each else TOGETHER
     path = family(name)
-    truth = cold_runs(path, backend, TOGETHER)
+    truth = cold_runs(path, backend, prompts)
     cold_rows = dict(drafter_rows)
-    engine = engine_for(path, backend, script=[(p, t) for (p, _), t in zip(TOGETHER, truth)])
+    engine = engine_for(path, backend, script=[(p, t) for (p, _), t in zip(prompts, truth)])
     for shared in (SHARED_A, SHARED_B):
         engine.run(prompt_ids=shared, max_new_tokens=4, ignore_eos=True)  # alone: stores the prefix
     cls, grouped = type(engine.target.new_batch()), []
@@ -161,12 +165,15 @@ def test_requests_restoring_stored_prefixes_join_together(family, drafter_rows, 
     monkeypatch.setattr(cls, "_join_rows", lambda self, prompts, capture, restored=None: grouped.append(
         sorted(len(p) - r[1] for p, r in zip(prompts, restored or [(None, 0)] * len(prompts))))
         or join_rows(self, prompts, capture, restored))
-    requests = run_batch(engine, TOGETHER, max_batch=4)
+    requests = run_batch(engine, prompts, max_batch=4)
     for i, request in enumerate(requests):
         assert request.loop.produced == truth[i], f"request {i}"
         assert request.final().stats.cached_tokens == len(SHARED_A if i % 2 == 0 else SHARED_B), f"request {i}"
-    assert grouped == ([[3, 3, 3]] if name == "qwen3_5" else [[2, 3, 3, 3]])
-    assert_rows_as_cold(drafter_rows, cold_rows, TOGETHER)
+    if one_each:
+        assert grouped == [[1, 1, 1]]
+    else:
+        assert grouped == ([[3, 3, 3]] if name == "qwen3_5" else [[2, 3, 3, 3]])
+    assert_rows_as_cold(drafter_rows, cold_rows, prompts)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3_text"])

@@ -65,8 +65,11 @@ def test_a_short_rows_unused_tail_does_not_make_plain_steps_compact():
 
 
 def test_joining_prompts_group_within_the_budget_and_padding_at_most_doubling_the_work():
-    # shortest first; 1-token and restored (0) prompts alone; a prompt past the budget alone
-    assert join_groups([3, 7, 20, 1, 0, 300], budget=512) == [[0, 1, 2], [3], [4], [5]]
+    # shortest first; a prompt past the budget alone; the other kind of join (0) left out
+    assert join_groups([3, 7, 20, 1, 0, 300], budget=512) == [[0, 1, 2], [3], [5]]
+    # one-token prompts (a repeated prompt after its stored prefix) group among themselves only
+    assert join_groups([1, 5, 1, 4, 1], budget=512) == [[0, 2, 4], [3, 1]]
+    assert join_groups([1, 1, 1], budget=2) == [[0, 1], [2]]
     assert join_groups([10, 10, 10], budget=20) == [[0, 1], [2]]
     # 2, 2, 2 then 40: four rows of 40 (160) would be more than twice their 46 real tokens
     assert join_groups([40, 2, 2, 2], budget=512) == [[0], [1, 2, 3]]

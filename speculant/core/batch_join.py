@@ -25,10 +25,14 @@ def check_prompt(key: Hashable, token_ids: Sequence[int], restored: Restored | N
 
 def join_groups(lengths: Sequence[int], budget: int, equal: bool = False) -> list[list[int]]:
     """Which joining prompts prefill together: index groups, in order of their first member.
-    Prompts of length < 2 (or 0: restored ones) join alone. The others, shortest first, fill a
-    group while its padded size (members x longest) stays within ``budget`` tokens and at most
-    twice its real tokens (padding costs compute); with ``equal``, only equal lengths group."""
-    groups: list[list[int]] = []
+    Prompts of length 0 (the other kind of join) are left out; those of one token (a repeated
+    prompt resuming its stored prefix) group among themselves only, so that no row of a group
+    starts with nothing to run. The others, shortest first, fill a group while its padded size
+    (members x longest) stays within ``budget`` tokens and at most twice its real tokens (padding
+    costs compute); with ``equal``, only equal lengths group."""
+    ones = [i for i, n in enumerate(lengths) if n == 1]
+    most = max(1, budget)
+    groups: list[list[int]] = [ones[at:at + most] for at in range(0, len(ones), most)]
     group: list[int] = []
     for i in sorted((i for i, n in enumerate(lengths) if n >= 2), key=lambda i: lengths[i]):
         n, real = lengths[i], sum(lengths[j] for j in group) + lengths[i]
@@ -39,7 +43,6 @@ def join_groups(lengths: Sequence[int], budget: int, equal: bool = False) -> lis
         group.append(i)
     if group:
         groups.append(group)
-    groups += [[i] for i, n in enumerate(lengths) if n < 2]
     return sorted(groups, key=min)
 
 
