@@ -92,6 +92,21 @@ def test_batched_requests_equal_their_solo_runs(family, plain_tokens, name, back
     assert results[3].stats.batched_cycles < results[1].stats.batched_cycles
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_one_token_prompts_join_in_one_forward_and_equal_their_solo_runs(family, name, backend, monkeypatch):
+    engine = load_engine({"backend": backend_config(backend), "target": {"path": str(family(name))}})
+    prompts = [[5], [9], [5], [17]]
+    plain = solo(engine, prompts)
+    cls, grouped = type(engine.target.new_batch()), []
+    join_rows = cls._join_rows
+    monkeypatch.setattr(cls, "_join_rows", lambda self, rows, capture, restored=None: grouped.append(
+        [len(r) for r in rows]) or join_rows(self, rows, capture, restored))
+    results = engine.run_many(prompt_ids=prompts, max_new_tokens=NEW, ignore_eos=True, max_batch=4)
+    assert [r.token_ids for r in results] == plain
+    assert grouped == [[1, 1, 1, 1]]
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3_text"])
 def test_the_flattened_layout_schedules_the_same_tokens(family, plain_tokens, name):
     """``engine.batch_layout = "flat"``: the same requests, rows end to end in one cache row; the
