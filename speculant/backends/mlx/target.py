@@ -268,7 +268,11 @@ class MLXTarget(TargetModel):
 
     # -- draft trees (tree.py) -------------------------------------------------------------
     def tree_problem(self) -> str | None:
-        return type(self.backend).tree_problem(self.info) or rope_problem(self.model, self.cache)
+        # the model's modules and cache kinds are fixed at load; walking them took 5 ms on SmolLM2,
+        # and a batch asks at every join
+        if not hasattr(self, "_tree_problem"):
+            self._tree_problem = type(self.backend).tree_problem(self.info) or rope_problem(self.model, self.cache)
+        return self._tree_problem
 
     def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
         """Every node of ``tree`` in one forward: positions and masks from tree.py."""
