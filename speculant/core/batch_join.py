@@ -30,13 +30,12 @@ def join_groups(lengths: Sequence[int], budget: int, equal: bool = False) -> lis
     starts with nothing to run. The others, shortest first, fill a group while its padded size
     (members x longest) stays within ``budget`` tokens and at most twice its real tokens (padding
     costs compute); with ``equal``, only equal lengths group."""
-    ones = [i for i, n in enumerate(lengths) if n == 1]
-    most = max(1, budget)
-    groups: list[list[int]] = [ones[at:at + most] for at in range(0, len(ones), most)]
+    groups: list[list[int]] = []
     group: list[int] = []
-    for i in sorted((i for i, n in enumerate(lengths) if n >= 2), key=lambda i: lengths[i]):
+    for i in sorted((i for i, n in enumerate(lengths) if n >= 1), key=lambda i: lengths[i]):
         n, real = lengths[i], sum(lengths[j] for j in group) + lengths[i]
-        fits = (len(group) + 1) * n <= min(budget, 2 * real) and (not equal or not group or lengths[group[0]] == n)
+        first = lengths[group[0]] if group else n
+        fits = (len(group) + 1) * n <= min(budget, 2 * real) and (first == 1) == (n == 1) and (not equal or first == n)
         if group and not fits:
             groups.append(group)
             group = []
