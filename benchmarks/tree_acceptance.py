@@ -24,6 +24,24 @@ import statistics
 import speculant
 
 
+def held_out(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[list[int]]:
+    """The held-out prompts of ``--pair tiny`` (setting ``args.target`` and ``args.draft`` to the
+    shipped pair's) or of ``--data`` for ``--target``, ``args.prompts`` of them."""
+    if args.pair:
+        from embedded_pair import held_out_prompts
+        from speculant.embedded import PAIR_DIR
+
+        args.target, args.draft = str(PAIR_DIR / "target"), str(PAIR_DIR / args.drafter)
+        return held_out_prompts(args.prompts)
+    if not (args.target and args.draft and args.data):
+        parser.error("give --target, --draft and --data, or --pair tiny")
+    from transformers import AutoTokenizer
+
+    from speculant.training.data import held_out_prompt_ids
+
+    return held_out_prompt_ids(args.data, AutoTokenizer.from_pretrained(args.target))[: args.prompts]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=["tiny"], help="the shipped pair (no --target, --draft, --data)")
@@ -43,20 +61,7 @@ def main() -> None:
     p.add_argument("--no-chain", action="store_true", help="skip the chain arm (ratios then read 1.0 for the first)")
     args = p.parse_args()
     shapes = [(name, json.loads(options)) for name, options in (s.split("=", 1) for s in args.shape)] or [("", {})]
-    if args.pair:
-        from embedded_pair import held_out_prompts
-        from speculant.embedded import PAIR_DIR
-
-        args.target, args.draft = str(PAIR_DIR / "target"), str(PAIR_DIR / args.drafter)
-        prompts = held_out_prompts(args.prompts)
-    elif not (args.target and args.draft and args.data):
-        p.error("give --target, --draft and --data, or --pair tiny")
-    else:
-        from transformers import AutoTokenizer
-
-        from speculant.training.data import held_out_prompt_ids
-
-        prompts = held_out_prompt_ids(args.data, AutoTokenizer.from_pretrained(args.target))[: args.prompts]
+    prompts = held_out(p, args)
     trees = [(f"tree B={b} {name}".rstrip(), {"kind": "tree", "options": {"budget": int(b), "width": args.width, **options}})
              for name, options in shapes for b in args.budgets.split(",")]
     arms = ([] if args.no_chain else [("chain", None)]) + trees

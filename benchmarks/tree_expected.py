@@ -29,8 +29,10 @@ import numpy as np
 import speculant
 from speculant.core.sampling import target_probs
 from speculant.core.tree import DraftTree, with_branch
+from speculant.verifiers.acceptance import draft_rows
 from speculant.verifiers.tree import TreeShape, draft_tree, tree_verify
 from speculant.verifiers.tree_verifier import TreeVerifier
+from tree_acceptance import held_out
 
 
 def expected_drafts(tree: DraftTree, probs: np.ndarray, node_of: list[int]) -> float:
@@ -81,17 +83,11 @@ class Probe(TreeVerifier):
         built, draft, chain = self.pending
         probs = np.asarray(ops.to_list(target_probs(ops, target_logits[: tree.size], sampling)), dtype=np.float64)
         probs = probs / probs.sum(axis=1, keepdims=True)
-        q = np.zeros((len(chain), probs.shape[1]))
-        if draft.draft_probs is None:  # an argmax chain: q is one-hot
-            q[np.arange(len(chain)), chain] = 1.0
-        else:
-            values = np.asarray(ops.to_list(draft.draft_probs[: len(chain)]), dtype=np.float64)
-            ids = None if draft.candidate_ids is None else np.asarray(ops.to_list(draft.candidate_ids[: len(chain)]))
-            for j in range(len(chain)):
-                if ids is None:
-                    q[j] = values[j]
-                else:
-                    np.add.at(q[j], ids[j].astype(int), values[j])
+        k, ids = len(chain), draft.token_ids[: len(chain)]  # q of each chain token's row (one-hot: an argmax chain)
+        q_probs = None if draft.draft_probs is None else draft.draft_probs[:k][None]
+        q_ids = None if draft.candidate_ids is None else draft.candidate_ids[:k][None]
+        q_rows = draft_rows(ops, ops.concatenate([ids, ids[-1:]]), q_probs, q_ids, (1, k, probs.shape[1]))
+        q = np.asarray(ops.to_list(q_rows), dtype=np.float64)[:k]
         union_children = tree.children()
 
         def node_map(t: DraftTree) -> list[int]:
@@ -127,18 +123,7 @@ def main() -> None:
         p.error("--temperature must be above 0 (greedy acceptance is not an expectation: use tree_acceptance.py)")
     shapes = {name: json.loads(options) for name, options in (s.split("=", 1) for s in args.shape)}
     shapes = shapes or {"B16": {"budget": 16}, "B32": {"budget": 32}}
-    if args.pair:
-        from embedded_pair import held_out_prompts
-        from speculant.embedded import PAIR_DIR
-
-        args.target, args.draft = str(PAIR_DIR / "target"), str(PAIR_DIR / args.drafter)
-        prompts = held_out_prompts(args.prompts)
-    else:
-        from transformers import AutoTokenizer
-
-        from speculant.training.data import held_out_prompt_ids
-
-        prompts = held_out_prompt_ids(args.data, AutoTokenizer.from_pretrained(args.target))[: args.prompts]
+    prompts = held_out(p, args)
     engine = speculant.load_engine({"backend": {"kind": "torch", "device": "cpu", "dtype": "float32"},
                                     "target": {"path": args.target},
                                     "drafter": {"kind": args.drafter, "path": args.draft},
