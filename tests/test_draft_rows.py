@@ -109,14 +109,17 @@ def test_rows_of_different_widths_each_see_their_own_block(pairs, kind, backend)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("kind", "compiled"), [("dflash", False), ("dflash", True), ("dflash2", False),
-                                                ("lookup", False)])
-def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypatch, kind, compiled, backend):
+                                                ("lookup", False), ("sliding", True)])
+def test_one_forward_for_all_rows_also_off_a_compiled_step(windowed, monkeypatch, kind, compiled, backend):
     """Every round of two or more model drafts is one draft forward (behind prompt lookup: the
-    rows left without a copy); a compiled draft step (on PyTorch traced by dynamo, run by its
-    eager backend here; MLX compiles it on a CPU) keeps its own buffers, so its rows go one by one."""
+    rows left without a copy). A compiled draft step (on PyTorch traced by dynamo, run by its eager
+    backend here; MLX compiles it on a CPU) drafts the first rounds one row at a time, as a request
+    alone does; then its rows leave it, taking the context it holds (a ring's last window where
+    every layer slides), and draft together, each as it drafted alone. The next request starts on
+    the compiled step again."""
     if compiled and backend == "torch":
         monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    engine, _ = load(pairs, kind, backend, compile="auto" if compiled and backend == "mlx" else "off")
+    engine, _ = load(windowed, kind, backend, compile="auto" if compiled and backend == "mlx" else "off")
     net = model_drafter(engine.drafter).net
     if compiled and backend == "torch":
         net.compile_step(8)
@@ -126,10 +129,24 @@ def test_one_forward_for_all_rows_and_one_by_one_where_compiled(pairs, monkeypat
     module = ROWS[backend]
     real = module.hidden_rows
     monkeypatch.setattr(module, "hidden_rows", lambda *a: forwards.append(len(a[0])) or real(*a))
-    rounds = replay_in_rows(engine, calls)
+    alone_rounds = 3 if compiled else 0  # a request drafts alone before it joins a batch
+
+    asked = [0]
+
+    def ask(drafters, requests):
+        asked[0] += 1
+        if asked[0] <= alone_rounds:
+            return Drafter.propose_rows(drafters[0], drafters, requests)
+        return engine.drafter.propose_rows(drafters, requests)
+
+    rounds = replay_in_rows(engine, calls, ask)
     assert_recorded(rounds)
     modelled = [sum(have is not None and have[1] is not None for _, have, _ in rows) for rows in rounds]
-    assert forwards == ([] if compiled else [n for n in modelled if n >= 2]) and max(modelled) == len(PROMPTS)
+    assert forwards == [n for n in modelled[alone_rounds:] if n >= 2] and max(modelled) == len(PROMPTS)
+    if compiled:
+        assert net.compiled is None and forwards, "the batched rows left the compiled step"
+        engine.run(prompt_ids=PROMPTS[0], max_new_tokens=4)
+        assert net.compiled is not None, "a new request starts on the compiled step"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -91,6 +91,18 @@ class ContextCache:
         return BlockSlot(self, layer)
 
 
+def leave_compiled(net, committed: int) -> None:
+    """Move ``net`` off its compiled draft step for good: the context rows that step holds before
+    position ``committed`` go into a fresh eager :class:`ContextCache` (later rows were never
+    committed). Both backends' compiled steps answer ``context_rows(layer, end)``."""
+    compiled, net.compiled = net.compiled, None
+    net.reset()
+    if committed and compiled.keys:
+        for i in range(len(compiled.keys)):
+            first, keys, values = compiled.context_rows(i, committed)
+            net.cache.append(i, keys, values, first)
+
+
 class BlockSlot:
     """One layer's context in a :class:`ContextCache`, joined with a block in place."""
 

@@ -78,6 +78,13 @@ class CompiledDraft:
     def rows(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
+    def context_rows(self, layer: int, end: int) -> tuple[int, mx.array, mx.array]:
+        """(first position, keys, values) of the context rows before ``end`` still held: all of
+        them, or a ring's last ``reach`` (position ``p`` lives in row ``p % rows``)."""
+        first = 0 if self.reach is None else max(0, end - self.reach)
+        at = mx.arange(first, end, dtype=mx.int32) % self.rows
+        return first, self.keys[layer][:, :, at], self.values[layer][:, :, at]
+
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values, self.key_positions] if self.keys else []
 

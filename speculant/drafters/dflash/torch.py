@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.drafters.dflash.config import DFlashConfig
-from speculant.drafters.dflash.context import ContextCache
+from speculant.drafters.dflash.context import ContextCache, leave_compiled
 from speculant.drafters.dflash.visibility import every_key_visible, keep_by_distance
 
 
@@ -286,14 +286,9 @@ class TorchDFlashNetwork:
         """Go on eagerly, for this engine's life, from the context rows the compiled step holds:
         rows ``0 .. committed`` (by position) are the committed context; later ones were never
         committed or belong to the failed call, which runs again eagerly."""
-        compiled, self.compiled = self.compiled, None
+        leave_compiled(self, committed)
         self.fast_path = (f"eager: the compiled draft step failed mid-request ({type(exc).__name__}: "
                           f"{str(exc)[:200]}); eager from then on")
-        self.cache = ContextCache(self.windows, allocate)
-        if committed and compiled.keys:
-            for i in range(len(self.model.layers)):
-                first, keys, values = compiled.context_rows(i, committed)
-                self.cache.append(i, keys, values, first)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         # a quantized draft may compute in another dtype than the target's head takes
