@@ -145,6 +145,9 @@ def test_one_forward_for_all_rows_also_off_a_compiled_step(windowed, monkeypatch
     assert forwards == [n for n in modelled[alone_rounds:] if n >= 2] and max(modelled) == len(PROMPTS)
     if compiled:
         assert net.compiled is None and forwards, "the batched rows left the compiled step"
+        fork = model_drafter(engine.drafter.fork())  # a new request bound while the engine's drafter is batched
+        parked = model_drafter(engine.drafter).parked
+        assert fork.net.compiled is not None and fork.net.compiled is not parked and fork.parked is None
         engine.run(prompt_ids=PROMPTS[0], max_new_tokens=4)
         assert net.compiled is not None, "a new request starts on the compiled step"
 

@@ -19,6 +19,7 @@ from typing import Any, Protocol, Sequence
 
 from speculant.core.interfaces import Drafter
 from speculant.core.types import Array, Draft, DrafterInfo, DraftRequest, ForwardOutput
+from speculant.drafters import compiled_forks
 from speculant.drafters.dflash import muse_glimmer
 from speculant.drafters.dflash.config import DFlashConfig
 from speculant.drafters.dflash.context import ContextCache, leave_compiled
@@ -71,7 +72,7 @@ class DFlashDrafter(Drafter):
         self.pending: list[Array] = []
         self.context_length = 0  # absolute position one past the last context row taken in
         self._before_ahead: tuple | None = None  # what propose_ahead changed, for withdraw_ahead
-        self._parked: Any = None  # the compiled step, left while this request drafts batched
+        self.parked: Any = None  # the compiled step, left while this request drafts batched (compiled_forks)
         # a Muse Glimmer assistant reading the target's last layer gets its final-normed state
         self._final_feature = muse_glimmer.final_feature(self.cfg) if info.final_hidden == "post_norm" else None
 
@@ -90,16 +91,12 @@ class DFlashDrafter(Drafter):
         other = copy.copy(self)
         other.net = self.net.fork()
         other.pending, other.context_length, other._before_ahead = [], 0, None
-        if self._parked is not None:  # the fork's own buffers on the compiled step
-            other.net.compiled = self._parked.fork()
-            other.net.reset()
-        other._parked = None
+        compiled_forks.fork_parked(self, other)
         return other
 
     # -- lifecycle -------------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
-        if self._parked is not None:  # a new request starts on the compiled step again
-            self.net.compiled, self._parked = self._parked, None
+        compiled_forks.resume(self)
         self.net.reset()
         self.pending = [self._features(output, None)]
         self.context_length = 0
@@ -181,15 +178,13 @@ class DFlashDrafter(Drafter):
                 for i, (d, r) in enumerate(zip(drafters, requests))]
 
     def _eager_fork(self, other: Drafter) -> bool:
-        """Whether ``other`` is this drafter or a fork of it with an eager context cache; a fork
-        on a compiled step leaves it until its next request, since one forward over every row
-        beats a compiled step per row (32 rows of the mid pair on MLX's CPU backend: 0.3 s against
-        1 s). Not while a draft ahead is out (its withdrawal rewinds the step it was made with)."""
+        """Whether ``other`` is this drafter or a fork of it with an eager context cache, after
+        moving it off a compiled step (:mod:`speculant.drafters.compiled_forks`); not while a draft
+        ahead is out (its withdrawal rewinds the step it was made with)."""
         if not isinstance(other, DFlashDrafter) or other.net.model is not self.net.model:
             return False
-        if getattr(other.net, "compiled", None) is not None and other._before_ahead is None:
-            other._parked = other.net.compiled
-            leave_compiled(other.net, other.context_length)
+        if other._before_ahead is None:
+            compiled_forks.park(other, lambda: leave_compiled(other.net, other.context_length))
         return getattr(other.net, "compiled", None) is None
 
     def propose_ahead(self, output: ForwardOutput, anchor: Array, request: DraftRequest) -> Draft | None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol, Sequence
 
 from speculant.core.interfaces import Drafter
 from speculant.core.types import Array, Draft, DrafterInfo, DraftRequest, ForwardOutput
+from speculant.drafters import compiled_forks
 from speculant.drafters.mtp.config import MTPConfig
 from speculant.drafters.mtp.rows import active_rows
 
@@ -60,6 +61,7 @@ class MTPDrafter(Drafter):
         self.info = info
         self.backend = backend
         self.ops = backend.ops
+        self.parked: Any = None  # the compiled steps, left while this request drafts batched (compiled_forks)
         self._start()
 
     def _start(self) -> None:
@@ -81,12 +83,14 @@ class MTPDrafter(Drafter):
         other = copy.copy(self)
         other.net = self.net.fork()
         other._start()
+        compiled_forks.fork_parked(self, other)
         return other
 
     # -- lifecycle -------------------------------------------------------------------------
     def prefill(self, prompt_ids: Sequence[int], output: ForwardOutput, first_token_id: int) -> None:
         if output.final_hidden is None:
             raise ValueError("the target returned no final hidden state; the engine must capture DrafterInfo.final_hidden")
+        compiled_forks.resume(self)
         self.net.reset()
         self._start()
         tokens = [int(t) for t in prompt_ids[1:]] + [int(first_token_id)]
@@ -173,9 +177,8 @@ class MTPDrafter(Drafter):
         return Draft(token_ids=token_ids, num_tokens=request.num_tokens, draft_probs=draft_probs)
 
     def propose_rows(self, drafters: Sequence[Drafter], requests: Sequence[DraftRequest]) -> list[Draft | None]:
-        """Draft step k of every row still drafting in one step of MTP layer k mod n (eager
-        networks; a compiled MLX step keeps buffers of its own, so its rows, and a single row, go
-        one by one), each row's draft equal to its own :meth:`propose`. Every MTP config batches
+        """Draft step k of every row still drafting in one step of MTP layer k mod n (forks on
+        compiled MLX steps leave them first; a single row goes alone), each row's draft equal to its own :meth:`propose`. Every MTP config batches
         (MoE, MLA, YaRN): projections, norms and MLPs treat rows independently, and each row's
         attention sees only its own fork's cache (``run_rows``, :mod:`speculant.drafters.mtp.rows`)."""
         run_rows = getattr(self.net, "run_rows", None)
@@ -214,10 +217,12 @@ class MTPDrafter(Drafter):
         return self.ops.concatenate([chosen[r][-1][0] for r in rows])
 
     def _eager_fork(self, other: Drafter) -> bool:
-        """Whether ``other`` is this drafter or a fork of it with eager caches (a compiled step
-        keeps its rows in buffers of its own)."""
-        return isinstance(other, MTPDrafter) and other.net.model is self.net.model and \
-            getattr(other.net, "compiled", None) is None
+        """Whether ``other`` is this drafter or a fork of it with eager caches, after moving it off
+        compiled steps (:mod:`speculant.drafters.compiled_forks`)."""
+        if not isinstance(other, MTPDrafter) or other.net.model is not self.net.model:
+            return False
+        compiled_forks.park(other, getattr(other.net, "leave_compiled", lambda: None))
+        return getattr(other.net, "compiled", None) is None
 
     def _choose(self, logits: Array, request: DraftRequest, sample: bool) -> tuple[Array, Array | None]:
         """Argmax (one-hot q) or, when sampling drafts, an inverse-CDF draw from q with the

@@ -280,6 +280,16 @@ class MLXMTPNetwork:
         other.reset()
         return other
 
+    def leave_compiled(self) -> None:
+        """Go on eagerly: every position the compiled buffers hold moves to the eager caches, in
+        the order held (speculative entries too; the next commit crops them as before)."""
+        compiled, self.compiled = self.compiled, None
+        self.reset()
+        for cache, held, buffers in zip(self.caches, compiled.positions, compiled.buffers):
+            if held:
+                at = mx.array(held, dtype=mx.int32)
+                cache.append(buffers[0][:, :, at], buffers[1][:, :, at], held)
+
     def run_rows(self, nets: Sequence["MLXMTPNetwork"], layer: int, hidden, token_ids, positions: Sequence[int]):
         """:meth:`run` of row r for fork ``nets[r]`` (eager forks over this model), all in one step."""
         from speculant.drafters.mtp.mlx_rows import RowsCache
