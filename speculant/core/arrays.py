@@ -121,3 +121,19 @@ class NumpyOps:
 
     def full(self, shape, value, dtype="float32"):
         return np.full(shape, value, dtype=self._dtypes[dtype])
+
+
+def fetch_rows(ops: ArrayOps, rows: Sequence[Sequence[Array]]) -> list[list[float]]:
+    """Several rows' 1-D arrays moved to the host in one transfer, as float32 values: row ``i``'s
+    are ``rows[i]``'s concatenated (a batch reads every request's verification at once, not one
+    device synchronisation per request)."""
+    parts = [ops.float32(part) for row in rows for part in row]
+    if not parts:
+        return [[] for _ in rows]
+    values = ops.to_list(ops.concatenate(parts))
+    out, at = [], 0
+    for row in rows:
+        size = sum(int(part.shape[0]) for part in row)
+        out.append(values[at:at + size])
+        at += size
+    return out

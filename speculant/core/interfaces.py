@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol, Se
 
 from speculant.core.arrays import ArrayOps
 from speculant.core.types import (Array, Capture, CycleTiming, Draft, DrafterInfo, DraftRequest, ForwardOutput,
-                                  ProposalKind, SamplingParams, TargetInfo, Verification)
+                                  PendingVerification, ProposalKind, SamplingParams, TargetInfo, Verification)
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -25,8 +25,7 @@ if TYPE_CHECKING:
 
 
 class Catalogue(Protocol):
-    """What the installed plugins registered, as the validator and the composition root read it
-    (:class:`speculant.plugins.manager.Registry` is one)."""
+    """What the installed plugins registered, as the validator and composition root read it (a Registry)."""
 
     backends: Mapping[str, type["Backend"]]
     drafters: Mapping[str, "DrafterFactory"]
@@ -359,11 +358,8 @@ class Verifier(ABC):
         return max_tokens
 
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
-        """How many drafted tokens to submit this cycle (0 = plain target step).
-
-        Called after drafting and **before** the target forward, so it may read only
-        draft-side information and past statistics.
-        """
+        """How many drafted tokens to submit this cycle (0 = plain target step); called after
+        drafting, **before** the target forward, so it may read only the draft and past statistics."""
         return 0 if draft is None else min(draft.num_tokens, max_tokens)
 
     @abstractmethod
@@ -371,20 +367,24 @@ class Verifier(ABC):
                rng: Any) -> Verification:
         """Verify ``draft`` (k tokens, or None) against ``target_logits`` [k+1, V]."""
 
+    def pending(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
+                rng: Any) -> PendingVerification | None:
+        """:meth:`verify` in two halves, so that a batch moves every row's host values in one
+        transfer; None (the default): this cycle is verified whole by :meth:`verify`."""
+        return None
+
     def tree(self, ops: ArrayOps, draft: Draft, anchor_id: int, budget: int | None = None) -> "DraftTree | None":
         """A draft tree to verify this cycle instead of ``draft``'s chain (from the drafter's
         per-position distributions; at most ``budget`` drafted nodes where given), or None."""
         return None
 
     def tree_next(self) -> bool:
-        """Whether this cycle, if drafted with per-position distributions, will be verified as a
-        tree (decided from finished cycles only, and kept for :meth:`tree`): the engine then drafts
-        beside a prompt-lookup copy, so that the copy becomes one path of the tree. Default False."""
+        """Whether this cycle, if drafted with per-position distributions, is verified as a tree
+        (decided from finished cycles, kept for :meth:`tree`): its lookup copy becomes a path."""
         return False
 
-    def verify_tree(
-        self, ops: ArrayOps, tree: "DraftTree", target_logits: Array, sampling: SamplingParams, rng: Any
-    ) -> Verification:
+    def verify_tree(self, ops: ArrayOps, tree: "DraftTree", target_logits: Array, sampling: SamplingParams,
+                    rng: Any) -> Verification:
         """Verify ``tree`` against the target's logits at every node [T, V]; ``Verification.path``
         names the accepted nodes."""
         raise NotImplementedError(f"the {self.name} verifier verifies no trees")

@@ -20,8 +20,8 @@ from speculant.core.loop_batch import BatchedLoop
 from speculant.core.metrics import GenerationStats, target_name
 from speculant.core.prefix_request import PrefixRequest
 from speculant.core.tree_cycle import tree_cycle, trees_allowed
-from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, DraftSource, ForwardOutput, SamplingParams,
-                                  Verification)
+from speculant.core.types import (Capture, CycleTiming, Draft, DraftRequest, DraftSource, ForwardOutput,
+                                  PendingVerification, SamplingParams, Verification)
 
 if TYPE_CHECKING:
     from speculant.core.engine import Engine
@@ -246,11 +246,13 @@ class Loop(BatchedLoop):
         tree = self.verifier.tree(e.backend.ops, draft, anchor) if trees and self.trees and draft is not None else None
         return Proposal(anchor, draft, n, drafted, source, draft_s, tree)
 
-    def accept(self, proposal: "Proposal", out: ForwardOutput, target_s: float) -> tuple[list[int], int]:
+    def accept(self, proposal: "Proposal", out: ForwardOutput, target_s: float,
+               fetched: tuple[PendingVerification, list[float]] | None = None) -> tuple[list[int], int]:
         """Take the target's verification ``out`` of ``proposal``'s block: the tokens emitted and
-        the cache length to crop the target back to (the caller crops)."""
+        the cache length to crop the target back to (the caller crops). ``fetched``: this row's
+        :meth:`pending` verification and its host values, fetched with other rows'."""
         position, n, draft = self.position, proposal.num_tokens, proposal.draft
-        verification = self._verify(draft, out.logits)
+        verification = fetched[0].finish(fetched[1]) if fetched else self._verify(draft, out.logits)
         accepted = verification.accepted
         self.prefix.committed(out, accepted + 1)
         if n > 0:
@@ -295,6 +297,10 @@ class Loop(BatchedLoop):
         kept = self._last_whole and verification.token_ids[-1] == self.e.backend.ops.to_list(self._ahead_anchor)[0]
         self.stats.drafts_ahead_kept += int(kept)
         return kept
+
+    def pending(self, proposal: "Proposal", out: ForwardOutput) -> PendingVerification | None:
+        """The verifier's two-halved verification of ``proposal`` (None: it verifies whole)."""
+        return self.verifier.pending(self.e.backend.ops, proposal.draft, out.logits, self.sampling, self.verify_rng)
 
     def _verify(self, draft, logits):
         return self.verifier.verify(self.e.backend.ops, draft, logits, self.sampling, self.verify_rng)

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
+from speculant.core.arrays import fetch_rows
 from speculant.core.batch_plan import EXPLORE_EVERY
 from speculant.core.errors import GenerationError
 from speculant.core.text import StreamDecoder
@@ -252,12 +253,13 @@ class Scheduler:
         outs = self.rows.verify(blocks, self._capture(), trees)
         target_s = time.perf_counter() - start
         before = self.rows.lengths_before_block()
+        fetched = self._fetched(live, proposals, outs)
         lengths, news, paths = [], [], []
-        for request, proposal, out, first in zip(live, proposals, outs, before):
+        for request, proposal, out, first, host in zip(live, proposals, outs, before, fetched):
             path = None
             try:
                 if proposal.tree is None:
-                    new, length = request.loop.accept(proposal, out, target_s)
+                    new, length = request.loop.accept(proposal, out, target_s, host)
                 else:
                     new, path = accept_tree(request.loop, proposal, out, target_s)
                     length, path = first + len(path), kept_rows(proposal.tree, path)
@@ -277,6 +279,13 @@ class Scheduler:
             chunk = request.chunk(new)
             if chunk is not None:
                 yield request, chunk
+
+    def _fetched(self, live: list[Request], proposals: list, outs: list) -> list:
+        """Each chain row's two-halved verification with its host values, every row's moved in one
+        transfer (not one device synchronisation per row); None for a row verified whole."""
+        pending = [None if p.tree is not None else r.loop.pending(p, out) for r, p, out in zip(live, proposals, outs)]
+        values = iter(fetch_rows(self.e.backend.ops, [p.parts for p in pending if p is not None]))
+        return [None if p is None else (p, next(values)) for p in pending]
 
     def _proposals(self, live: list[Request]) -> list:
         """Every row's proposal; the rows that want a model draft get theirs from one

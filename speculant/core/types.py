@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 Array = Any  # a backend array (torch.Tensor, mlx.core.array, numpy.ndarray)
 
@@ -112,6 +112,16 @@ class Verification:
     @property
     def bonus_token_id(self) -> int:
         return self.token_ids[-1]
+
+
+@dataclass(frozen=True)
+class PendingVerification:
+    """A verification waiting for its host values (:meth:`Verifier.pending`): the 1-D arrays it
+    reads, moved with other rows' in one transfer (:func:`speculant.core.arrays.fetch_rows`), and
+    ``finish(values)``, their float32 values in order, which verifies and may raise as verify does."""
+
+    parts: list[Any]
+    finish: Callable[[list[float]], Verification]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.errors import NonFiniteLogitsError
-from speculant.core.types import Draft, SamplingParams, Verification
+from speculant.core.types import Draft, PendingVerification, SamplingParams, Verification
 from speculant.core.sampling import inverse_cdf, target_probs
 
 MAX_EXACT_TOKEN_ID = 2**24
@@ -65,16 +65,26 @@ def greedy_verify(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> V
     max(0, p - q) = p, so the argmax is emitted, as it is at the bonus row. Ties go to the lowest
     index (the backends' argmax), exactly as plain greedy decoding.
     """
+    pending = greedy_pending(ops, draft, target_logits)
+    return pending.finish(fetch(ops, pending.parts))
+
+
+def greedy_pending(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> PendingVerification:
+    """:func:`greedy_verify` in two halves: the argmax and max of every verify row and the drafts,
+    then the walk over their host values."""
     k = num_drafts(draft)
     rows = verify_rows(target_logits, k)
     parts = [ops.argmax(rows), ops.max(rows)]
     if k:
         parts.append(draft.token_ids[:k])
-    host = fetch(ops, parts)
-    best, row_max, drafts = host[: k + 1], host[k + 1 : 2 * k + 2], host[2 * k + 2 :]
-    matches = [float(int(x) == int(b)) for x, b in zip(drafts, best)]
-    cycle = HostCycle([math.isfinite(m) for m in row_max], best, matches, [1.0] * k, drafts)
-    return settle(cycle, [0.0] * (k + 1), partial(_raise_non_finite, ops, rows, 0))
+
+    def finish(host: list[float]) -> Verification:
+        best, row_max, drafts = host[: k + 1], host[k + 1 : 2 * k + 2], host[2 * k + 2 :]
+        matches = [float(int(x) == int(b)) for x, b in zip(drafts, best)]
+        cycle = HostCycle([math.isfinite(m) for m in row_max], best, matches, [1.0] * k, drafts)
+        return settle(cycle, [0.0] * (k + 1), partial(_raise_non_finite, ops, rows, 0))
+
+    return PendingVerification(parts, finish)
 
 
 @dataclass

@@ -6,8 +6,8 @@ from typing import Any
 
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
-from speculant.core.types import Draft, ProposalKind, SamplingParams, Verification
-from speculant.verifiers.acceptance import speculative_verify
+from speculant.core.types import Draft, PendingVerification, ProposalKind, SamplingParams, Verification
+from speculant.verifiers.acceptance import greedy_pending, speculative_verify
 
 
 class SpeculativeSamplingVerifier(Verifier):
@@ -30,3 +30,7 @@ class SpeculativeSamplingVerifier(Verifier):
         rng: Any,
     ) -> Verification:
         return speculative_verify(ops, draft, target_logits, sampling, rng)
+
+    def pending(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
+                rng: Any) -> PendingVerification | None:
+        return greedy_pending(ops, draft, target_logits) if sampling.is_greedy else None

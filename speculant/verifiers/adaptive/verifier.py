@@ -21,8 +21,9 @@ from typing import Any
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
 from speculant.core.tree import DraftTree
-from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
-from speculant.verifiers.acceptance import speculative_verify
+from speculant.core.types import (CycleTiming, Draft, DraftSource, PendingVerification, ProposalKind, SamplingParams,
+                                  Verification)
+from speculant.verifiers.acceptance import greedy_pending, speculative_verify
 from speculant.verifiers.adaptive.options import AdaptiveOptions
 from speculant.verifiers.adaptive.policy import AdaptivePolicy
 from speculant.verifiers.adaptive.states import Action, Mode
@@ -117,6 +118,22 @@ class AdaptiveVerifier(Verifier):
         verification = speculative_verify(ops, draft, target_logits, sampling, rng)
         self._verify_s = time.perf_counter() - start
         return verification
+
+    def pending(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
+                rng: Any) -> PendingVerification | None:
+        if not sampling.is_greedy:
+            return None
+        start = time.perf_counter()
+        half = greedy_pending(ops, draft, target_logits)
+        launched = time.perf_counter() - start
+
+        def finish(host: list[float]) -> Verification:  # the shared transfer is the batch's, not timed here
+            begun = time.perf_counter()
+            verification = half.finish(host)
+            self._verify_s = launched + time.perf_counter() - begun
+            return verification
+
+        return PendingVerification(half.parts, finish)
 
     def tree_next(self) -> bool:
         return self.trees is not None and self.trees.choose_early(copy=True)
