@@ -20,6 +20,8 @@
 # SPECULANT_GPU_VENV, SPECULANT_REF_VENV. Every other argument goes to fast_path.py.
 # FAMILY (unset): also run a mid pair of that tiny family (e.g. qwen3_5, a Gated DeltaNet hybrid
 # compiled with its states recorded in the graphs), --compile auto,off, after the main run.
+# BATCH (unset): also run benchmarks/batch_generate.py on the mid pair (issue #39: speculative
+# against plain batched decoding at BATCH's comma-separated concurrencies, e.g. 1,4,16,32).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -97,5 +99,10 @@ if [[ -n "${FAMILY:-}" ]]; then
     SPECULANT_REF_VENV="$REF" "$PY" benchmarks/fast_path.py --backend torch --device "$DEVICE" \
         --dtype "${DTYPE:-float32}" --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW:-64}" \
         --compile auto,off --pairs mid --family "$FAMILY" --hidden 1024 --layers 8 "${PASS[@]}"
+fi
+if [[ -n "${BATCH:-}" ]]; then
+    log "batched requests at concurrency $BATCH"
+    "$PY" benchmarks/batch_generate.py --mid 1536,8 --concurrency "$BATCH" --arms spec,plain,single \
+        --max-new-tokens "${MAX_NEW:-64}" --repeats "${REPEATS:-3}" --solo-prompts 4
 fi
 log "done in $(( $(date +%s) - START )) s"
