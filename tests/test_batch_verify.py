@@ -127,3 +127,24 @@ def test_a_row_with_nan_logits_ends_alone_with_its_tokens(tiny_target, tmp_path,
     assert tokens == clean[0][:at + 1]
     for i in (1, 2):
         assert ends[i][0] == clean[i] and ends[i][1] != "error", (i, ends[i])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_rows_take_the_plans_widths_not_their_verifiers_warm_up(planted_pair, backend):
+    """The adaptive verifier's warm-up and probes price widths from one request's timings; in a
+    batch the plan prices them, so every batched cycle is the plan's (``batched`` in the
+    verifier's actions; the forks' warm-up plain steps do not run), the tokens stay each request's
+    solo ones, and a verifier freed by the batch plans the next request alone again."""
+    target, draft = planted_pair["target"], planted_pair["draft"]
+    engine = load_engine({"backend": {"kind": backend, "device": "cpu", "dtype": "float32"},
+                          "target": {"path": str(target)}, "drafter": {"kind": "dflash", "path": str(draft)},
+                          "verifier": {"kind": "adaptive"}})
+    solo = [engine.run(prompt_ids=p, max_new_tokens=24) for p in PROMPTS]
+    assert "plain:warmup" in solo[0].stats.verifier["actions"]  # alone: the engine's verifier warms up once
+    results = engine.run_many(prompt_ids=PROMPTS, max_new_tokens=24)
+    assert [r.token_ids for r in results] == [r.token_ids for r in solo]
+    for r in results:
+        actions = r.stats.verifier["actions"]
+        assert actions.count("batched") == r.stats.batched_cycles > 0 and "plain:warmup" not in actions, actions
+    after = engine.run(prompt_ids=PROMPTS[0], max_new_tokens=24)  # on the engine's verifier, freed by the batch
+    assert after.token_ids == solo[0].token_ids and "batched" not in after.stats.verifier["actions"]

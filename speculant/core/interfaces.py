@@ -139,10 +139,8 @@ class Backend(ABC):
 
     name: ClassVar[str]
     ops: ArrayOps
-    dtype_name: str = ""
-    """The dtype the models run in, e.g. ``float32`` (the statistics report it)."""
-    dtype_reason: str = ""
-    """Why that dtype: ``auto: CPU``, ``set by backend.dtype``, ..."""
+    dtype_name: str = ""  # the dtype the models run in, e.g. ``float32`` (the statistics report it)
+    dtype_reason: str = ""  # why that dtype: ``auto: CPU``, ``set by backend.dtype``, ...
 
     def __init__(self, config: "BackendConfig") -> None:
         self.config = config
@@ -158,9 +156,8 @@ class Backend(ABC):
 
     @classmethod
     def family_problem(cls, target: TargetInfo) -> str | None:
-        """Why this backend cannot load ``target``'s family (config.json's ``model_type``: unknown,
-        or no text model), naming it and what is supported, or None. Called by the validator
-        before any weights load."""
+        """Why this backend cannot load ``target``'s family (config.json's ``model_type``: unknown, or
+        no text model), naming it and what is supported, or None; asked before any weights load."""
         return None
 
     @classmethod
@@ -171,9 +168,8 @@ class Backend(ABC):
 
     @classmethod
     def tree_problem(cls, target: TargetInfo) -> str | None:
-        """Why this backend cannot verify a draft tree of ``target`` in one forward (naming the
-        layer kind), or None. The ``tree`` verifier then verifies chains, with this reason in
-        its statistics."""
+        """Why this backend cannot verify a draft tree of ``target`` in one forward (naming the layer
+        kind), or None; the ``tree`` verifier then verifies chains, the reason in its statistics."""
         return f"the {cls.name} backend has no tree verify forward"
 
     @property
@@ -342,15 +338,19 @@ class Verifier(ABC):
         self.options = options or {}
 
     def fork(self) -> "Verifier":
-        """A verifier with the same options and a per-request state of its own (one per batched request)."""
+        """The same options, a per-request state of its own (one per batched request)."""
         return type(self)(self.options)
 
     def begin(self, context_length: int) -> None:
         """A new sequence starts (policies reset per-request state here)."""
 
+    def batched(self, on: bool) -> None:
+        """This request verifies in a batch (``on``) or alone again: in a batch the scheduler's
+        plan prices the widths, so a policy should not price them from the batch's timings."""
+
     def wants_draft(self, max_tokens: int, context_length: int) -> bool:
-        """Whether to call the drafter this cycle; False makes it a plain target step and
-        saves the draft cost. Called before drafting, so it may read only past statistics."""
+        """Whether to call the drafter this cycle (False: a plain target step, no draft cost);
+        called before drafting, so it may read only past statistics."""
         return True
 
     def draft_length(self, max_tokens: int, context_length: int) -> int:

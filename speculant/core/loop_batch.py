@@ -47,11 +47,13 @@ class BatchedLoop:
     def _batched(self, rows: "BatchedTarget") -> None:
         self.batched, self.draft_ahead = True, False
         self.trees = self.trees and rows.tree_problem() is None
+        self.verifier.batched(True)
 
     def out_of_batch(self, snapshot: "CacheSnapshot | None") -> None:
         """Back on the target's own cache, the last of a batch, from its row's ``snapshot``
         (core/batch_move.py); drafting ahead and trees may resume."""
         self.prefix.left_batch()
+        self.verifier.batched(False)
         batch_move.out_of_batch(self.e.target, snapshot, self._context(), self.stats)
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(self.e)

@@ -371,6 +371,7 @@ class Scheduler:
             loop = request.loop
             if loop.batched:
                 self.plan.pool(loop.stats)
+            loop.verifier.batched(False)  # its next request may run alone
             self._verifiers.append(loop.verifier)
             if loop.drafter is not None:
                 self._drafters.append(loop.drafter)

@@ -146,6 +146,12 @@ class AdaptivePolicy:
             c.action = Action.PLAIN_CONFIDENCE
         return best
 
+    def plan_given(self, k: int) -> int:
+        """A width chosen outside this policy (a batch's plan): what it predicts, for the drift check."""
+        c = self.this_cycle
+        c.confidence, c.predicted = None, token_distribution(self.acceptance.position_rates(k))
+        return k
+
     def _narrow_width(self, k: int, context_length: int) -> int:
         """The widest first probe that costs no more than one draft (within 10 %)."""
         costs = self.costs.target_s(k + 1, context_length)

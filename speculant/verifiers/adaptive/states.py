@@ -25,6 +25,7 @@ class Action(str, Enum):
     PROBE = "probe"  # drafts submitted by a warm-up or fallback probe
     SPECULATE = "speculate"  # drafts submitted at the planned width
     TREE = "tree"  # a draft tree verified (option tree = auto), outside the chain policy
+    BATCHED = "batched"  # verified in a batch at the width the scheduler's plan gave (core/batch_plan.py)
     PLAIN_WARMUP = "plain:warmup"  # a plain step the warm-up measures
     PLAIN_COST = "plain:cost"  # fallback: plain decoding is the faster
     PLAIN_SHORT = "plain:short"  # the request's last, narrower cycle would not pay (or no decision was asked)
@@ -35,7 +36,7 @@ class Action(str, Enum):
     @property
     def plain(self) -> bool:
         """A plain target step: no drafts go to the target."""
-        return self not in (Action.PROBE, Action.SPECULATE, Action.TREE)
+        return self not in (Action.PROBE, Action.SPECULATE, Action.TREE, Action.BATCHED)
 
     @property
     def reason(self) -> str | None:

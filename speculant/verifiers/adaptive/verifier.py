@@ -66,6 +66,7 @@ class AdaptiveVerifier(Verifier):
         self.builds_trees = self.trees is not None
         self.tree_budgets = tuple(self.trees.budgets.values()) if self.trees is not None else ()
         self._verify_s = 0.0
+        self.in_batch = False  # verifying in a batch (batched)
         self.begin(0)
 
     # -- the engine's hooks, in cycle order --------------------------------------------------
@@ -76,7 +77,17 @@ class AdaptiveVerifier(Verifier):
         limit = self.max_context
         self.log = RequestLog(plain_from_context=context_length if limit is not None and context_length >= limit else None)
 
+    def batched(self, on: bool) -> None:
+        """In a batch the scheduler's plan gives each row its width from the batched forward's cost
+        (every request's warm-up and probes here priced the batch's cycles as one request's: 31
+        of 32 rows of the mid pair took a warm-up plain step together beside one row drafting, a
+        16-wide cycle for 47 tokens); so the chain policy only learns acceptance there. Trees keep
+        their own choice."""
+        self.in_batch = on and self.trees is None
+
     def wants_draft(self, max_tokens: int, context_length: int) -> bool:
+        if self.in_batch:
+            return True
         if self.trees is not None and self.trees.choose_early(copy=False):
             return True  # a tree's cycle: outside the chain policy, which may have gone plain
         wanted = self.policy.wants_draft(max_tokens, context_length)
@@ -85,6 +96,8 @@ class AdaptiveVerifier(Verifier):
         return wanted
 
     def draft_length(self, max_tokens: int, context_length: int) -> int:
+        if self.in_batch:
+            return max_tokens
         if self.trees is not None and self.trees.tree_preset:
             return max_tokens  # a tree is built over the whole block
         return self.policy.draft_length(max_tokens)
@@ -92,6 +105,8 @@ class AdaptiveVerifier(Verifier):
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
+        if self.in_batch:
+            return self.policy.plan_given(min(draft.num_tokens, max_tokens))
         if self.trees is not None:  # the arm: from finished cycles only, like the width below
             chosen = self.trees.preset is not None or draft.source is DraftSource.LOOKUP
             self.trees.choose(draft if chosen or self.policy.speculating(max_tokens, context_length) else None)
@@ -157,6 +172,9 @@ class AdaptiveVerifier(Verifier):
             return  # a copy says nothing about the drafter's acceptance, nor about this policy's choices
         if verification.path:
             action = self.policy.tree_done(verification.token_ids)
+        elif self.in_batch:  # acceptance only: the batch's seconds are not this policy's costs
+            self.policy.observe(submitted, verification.accepted, None, 0.0, verification.token_ids)
+            action = Action.BATCHED
         else:
             action = self.policy.observe(submitted, verification.accepted, timing, self._verify_s, verification.token_ids)
         log = self.log
