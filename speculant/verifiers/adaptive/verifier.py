@@ -105,8 +105,6 @@ class AdaptiveVerifier(Verifier):
     def plan(self, draft: Draft | None, max_tokens: int, context_length: int) -> int:
         if draft is None:
             return 0
-        if self.in_batch:
-            return self.policy.plan_given(min(draft.num_tokens, max_tokens))
         if self.trees is not None:  # the arm: from finished cycles only, like the width below
             chosen = self.trees.preset is not None or draft.source is DraftSource.LOOKUP
             self.trees.choose(draft if chosen or self.policy.speculating(max_tokens, context_length) else None)
@@ -114,6 +112,8 @@ class AdaptiveVerifier(Verifier):
                 return min(draft.num_tokens, max_tokens)
         if draft.source == DraftSource.LOOKUP:  # a copy: verified whole, outside the policy
             return min(draft.num_tokens, max_tokens)
+        if self.in_batch:
+            return self.policy.plan_given(min(draft.num_tokens, max_tokens))
         # A sampled draft's confidence is its own q(x_i): choosing whether to verify x_i from the
         # value x_i took biases the output (with q = (.5, .5), p = (.9, .1) and "verify x only
         # when x = 0", token 0 comes out 95 % of the time). Widths then come from history alone;
