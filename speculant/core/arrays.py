@@ -123,14 +123,17 @@ class NumpyOps:
         return np.full(shape, value, dtype=self._dtypes[dtype])
 
 
+def fetch(ops: ArrayOps, parts: Sequence[Array]) -> list[float]:
+    """Move several small 1-D arrays to the host in one transfer, as float32 values."""
+    return ops.to_list(ops.concatenate([ops.float32(p) for p in parts]))
+
+
 def fetch_rows(ops: ArrayOps, rows: Sequence[Sequence[Array]]) -> list[list[float]]:
-    """Several rows' 1-D arrays moved to the host in one transfer, as float32 values: row ``i``'s
-    are ``rows[i]``'s concatenated (a batch reads every request's verification at once, not one
-    device synchronisation per request)."""
-    parts = [ops.float32(part) for row in rows for part in row]
-    if not parts:
-        return [[] for _ in rows]
-    values = ops.to_list(ops.concatenate(parts))
+    """Several rows' 1-D arrays in one :func:`fetch`: row ``i``'s values are ``rows[i]``'s
+    concatenated (a batch reads every request's verification at once, not one device
+    synchronisation per request)."""
+    parts = [part for row in rows for part in row]
+    values = fetch(ops, parts) if parts else []
     out, at = [], 0
     for row in rows:
         size = sum(int(part.shape[0]) for part in row)

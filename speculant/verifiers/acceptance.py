@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
-from speculant.core.arrays import Array, ArrayOps
+from speculant.core.arrays import Array, ArrayOps, fetch
 from speculant.core.errors import NonFiniteLogitsError
 from speculant.core.types import Draft, PendingVerification, SamplingParams, Verification
 from speculant.core.sampling import inverse_cdf, target_probs
@@ -49,11 +49,6 @@ def verify_rows(target_logits: Array, k: int) -> Array:
     if shape[1] > MAX_EXACT_TOKEN_ID:
         raise ValueError(f"vocabulary size {shape[1]} exceeds the supported maximum {MAX_EXACT_TOKEN_ID}")
     return target_logits if shape[0] == k + 1 else target_logits[: k + 1]
-
-
-def fetch(ops: ArrayOps, parts: Sequence[Array]) -> list[float]:
-    """Move several small 1-D arrays to the host in one transfer, as float32 values."""
-    return ops.to_list(ops.concatenate([ops.float32(p) for p in parts]))
 
 
 def greedy_verify(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> Verification:
