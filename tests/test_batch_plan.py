@@ -85,7 +85,7 @@ def test_warm_up_exploration_and_a_new_requests_first_cycles():
     plan = BatchPlan()
     seen = [plan.limits([ROOM] * 2, [history(0)] * 2) for plan.cycles in range(WARM_UP)]
     assert [ROOM, ROOM] in seen and [0, 0] in seen  # full and plain in turn: two points of the line
-    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005, rows=3)
     plan.cycles = EXPLORE_EVERY
     assert sorted(plan.limits([ROOM] * 3, [history(ROOM)] * 3)) == [0, 0, ROOM]  # one row explores
     plan.cycles = EXPLORE_EVERY + 1
@@ -194,9 +194,37 @@ def test_an_exploration_drafts_on_a_row_with_something_to_draft_and_widens_littl
     plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
     for plan.cycles in (EXPLORE_EVERY, 2 * EXPLORE_EVERY):
         assert plan.limits([0, 0, ROOM], [history(ROOM)] * 3) == [0, 0, ROOM]
-    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005)
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0005, rows=32)
     plan.cycles = EXPLORE_EVERY  # 32 padded rows: one draft widens the block by 32 tokens
     assert sorted(plan.limits([ROOM] * 32, [history(ROOM)] * 32)) == [0] * 31 + [1]
+
+
+def test_an_exploration_measures_a_wide_block_where_the_plan_knows_only_narrow_ones():
+    """32 rows measured plain and one token wider only (what explorations at 32 rows widen) read a
+    block of 8 in proportion (a CPU's wide forward costs less per token), so every row stays plain
+    for good. Where 16 rows' wide cycles say width might pay, an exploration drafts every row's
+    room once; measured cheap, rows then draft. Where they do not, explorations stay narrow."""
+    def plan_after(sixteen_wide: float) -> BatchPlan:
+        plan = BatchPlan()
+        for _ in range(4):
+            plan.observe(16, 16, 0.010)
+            plan.observe(16, 16 * (ROOM + 1), sixteen_wide)
+        for _ in range(16):
+            plan.observe(32, 32, 0.020)
+        plan.observe(32, 64, 0.040)
+        plan.cycles = WARM_UP + 1
+        return plan
+
+    costly = plan_after(sixteen_wide=0.080)  # 16 rows of 8 cost 8 plain cycles: no hint that width pays
+    costly.cycles = costly._explore_at
+    assert sorted(costly.limits([ROOM] * 32, [history(ROOM)] * 32)) == [0] * 31 + [1]
+    plan = plan_after(sixteen_wide=0.025)
+    assert plan.limits([ROOM] * 32, [history(ROOM)] * 32) == [0] * 32
+    plan.cycles = plan._explore_at
+    assert plan.limits([ROOM] * 32, [history(ROOM)] * 32) == [ROOM] * 32
+    plan.observe(32, 32 * (ROOM + 1), 0.060)
+    assert plan._explore_at >= plan.cycles + int(2.0 / EXPLORE_SHARE)  # it cost 2 plain cycles more
+    assert plan.limits([ROOM] * 32, [history(ROOM)] * 32) == [ROOM] * 32  # 8x the tokens for 3x the time
 
 
 def test_a_costly_exploration_spaces_out_the_next_so_explorations_stay_a_small_share():

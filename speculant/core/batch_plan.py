@@ -157,7 +157,7 @@ class BatchPlan:
             return list(rooms)
         thin = not self.settled(stats)
         if self.cycles >= self._explore_at or (thin and self.cycles >= self._explored_at + THIN_EVERY):
-            return self._explore(rooms, thin)  # a point off the plan's line; while thin, acceptance to pool
+            return self._explore(rooms, stats, thin)  # a point off the plan's line; while thin, acceptance to pool
         prior = self._prior(max(rooms), stats)
         limits = self._widths([np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
                                for s, room in zip(stats, rooms)])
@@ -174,22 +174,47 @@ class BatchPlan:
         CPU, and young requests joining one by one kept most cycles wide)."""
         return min(room, max(limits)) if self.padded else room
 
-    def _explore(self, rooms: Sequence[int], thin: bool = False) -> list[int]:
+    def _explore(self, rooms: Sequence[int], stats: Sequence[GenerationStats], thin: bool = False) -> list[int]:
         """One row (in turn) drafts its full width, padded only as far as ``EXPLORE_TOKENS`` more
         tokens in all (32 rows of 8 for one row's sake cost 4x a plain cycle of SmolLM2 on a CPU;
         of 2, 2x). While the plan keeps every row plain between explorations, each costs a padded
         block for one row's sake: they come half as often. While the pooled acceptance is
         ``thin`` (fewer than ``EVIDENCE`` drafted row-cycles: a request's first cycles, which
         accept least, would otherwise decide for good), every row drafts as wide, in padded
-        columns the one row's widening pays for anyway."""
+        columns the one row's widening pays for anyway. Where no cycle of this many rows was
+        measured wide and fewer rows' wide cycles say it might pay, every row drafts its room
+        instead: explorations one token wider never measure what a wide block costs (the plan
+        reads it in proportion; 32 rows of the mid pair, 8 tokens each on a CPU, cost half that)."""
         if not thin:
             self.explore_every = EXPLORE_EVERY if self._drafted_since else min(2 * self.explore_every, EXPLORE_MOST)
             self._explore_at, self._drafted_since = self.cycles + self.explore_every, False
         self._exploring, self._explored_at = True, self.cycles
         able = [i for i, room in enumerate(rooms) if room]  # rows with something to draft
         row, self._explored = able[self._explored % len(able)], self._explored + 1
+        if self.padded and not thin and not self._wide_measured(len(rooms), max(rooms)) and \
+                self._wide_might_pay(rooms, stats):
+            return list(rooms)
         most = max(1, EXPLORE_TOKENS // len(rooms)) if self.padded else rooms[row]
         return [min(room, most) if i == row or (thin and self.padded) else 0 for i, room in enumerate(rooms)]
+
+    def _wide_measured(self, rows: int, room: int) -> bool:
+        """Whether a cycle of ``rows`` rows at least half as wide as a ``room``-draft block is measured."""
+        return any(r == rows and t * 2 >= rows * (room + 1) for r, t, _ in self.samples)
+
+    def _wide_might_pay(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> bool:
+        """Whether every row drafting its room would beat a plain cycle if the block cost, against
+        a plain one, what it costs at the most rows measured that wide (a guess from fewer rows,
+        whose forwards are cheaper per row: worth measuring, not planning on)."""
+        rows, room = len(rooms), max(rooms)
+        fewer = [r for r in {r for r, _, _ in self.samples} if r < rows and self._wide_measured(r, room)]
+        if not fewer:
+            return False
+        most, tokens = max(fewer), room + 1
+        ratio = self.seconds(most, most * tokens) / self.seconds(most, most)
+        plain, prior = self.seconds(rows, rows), self._prior(room, stats)
+        gained = sum(float(np.sum(self._chances(s, k, prior[:k]))) for s, k in zip(stats, rooms) if k)
+        drafting = self.draft_seconds(sum(1 for k in rooms if k))
+        return (rows + gained) / (plain * ratio + drafting) > rows / plain
 
     def settled(self, live: Sequence[GenerationStats] = ()) -> bool:
         """Whether the pooled acceptance (finished requests and the ``live`` ones) rests on
