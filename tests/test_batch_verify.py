@@ -64,6 +64,25 @@ def test_rows_fetched_together_verify_as_each_alone(ops_name):
     assert fetch_rows(ops, [[], []]) == [[], []]
 
 
+@pytest.mark.parametrize("kind", ["greedy", "speculative_sampling", "tree"])
+def test_chain_verifiers_verify_greedy_rows_in_two_halves_and_sampled_rows_whole(kind):
+    """Every built-in verifier with a chain path (the tree verifier's included) offers the two
+    halves at temperature 0, finishing as its ``verify``; sampled rows verify whole (None)."""
+    from speculant.core.types import SamplingParams
+    from speculant.plugins.manager import get_registry
+
+    ops, rng = make_ops("numpy"), np.random.default_rng(5)
+    verifier = get_registry().verifiers[kind]({})
+    for k in (0, 1, 4):
+        logits, drafts = row_case(rng, k)
+        logits, draft = ops.asarray(logits), None if not drafts else Draft(ops.asarray(drafts, "int64"), k)
+        p = verifier.pending(ops, draft, logits, SamplingParams(), None)
+        assert p is not None and p.finish(fetch_rows(ops, [p.parts])[0]) == verifier.verify(
+            ops, draft, logits, SamplingParams(), None)
+    if kind != "greedy":
+        assert verifier.pending(ops, draft, logits, SamplingParams(temperature=0.8), None) is None
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_plain_batch_moves_every_rows_verification_in_one_transfer(tiny_target, monkeypatch, backend):
     """Counted inside every batched cycle of three requests decoding plainly: one ``to_list``."""

@@ -64,6 +64,13 @@ def greedy_verify(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> V
     return pending.finish(fetch(ops, pending.parts))
 
 
+def chain_pending(ops: ArrayOps, draft: Draft | None, target_logits: Array,
+                  sampling: SamplingParams) -> PendingVerification | None:
+    """:func:`speculative_verify` in two halves where it is greedy (a batch moves every row's first
+    half to the host in one transfer); None where it samples (verified whole)."""
+    return greedy_pending(ops, draft, target_logits) if sampling.is_greedy else None
+
+
 def greedy_pending(ops: ArrayOps, draft: Draft | None, target_logits: Array) -> PendingVerification:
     """:func:`greedy_verify` in two halves: the argmax and max of every verify row and the drafts,
     then the walk over their host values."""

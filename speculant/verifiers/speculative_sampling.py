@@ -7,7 +7,7 @@ from typing import Any
 from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
 from speculant.core.types import Draft, PendingVerification, ProposalKind, SamplingParams, Verification
-from speculant.verifiers.acceptance import greedy_pending, speculative_verify
+from speculant.verifiers.acceptance import chain_pending, speculative_verify
 
 
 class SpeculativeSamplingVerifier(Verifier):
@@ -33,4 +33,4 @@ class SpeculativeSamplingVerifier(Verifier):
 
     def pending(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
                 rng: Any) -> PendingVerification | None:
-        return greedy_pending(ops, draft, target_logits) if sampling.is_greedy else None
+        return chain_pending(ops, draft, target_logits, sampling)

@@ -11,8 +11,9 @@ from speculant.core.arrays import Array, ArrayOps
 from speculant.core.interfaces import Verifier
 from speculant.core.schema import COUNT_MAX, UserModel
 from speculant.core.tree import DraftTree
-from speculant.core.types import CycleTiming, Draft, DraftSource, ProposalKind, SamplingParams, Verification
-from speculant.verifiers.acceptance import speculative_verify
+from speculant.core.types import (CycleTiming, Draft, DraftSource, PendingVerification, ProposalKind, SamplingParams,
+                                  Verification)
+from speculant.verifiers.acceptance import chain_pending, speculative_verify
 from speculant.verifiers.tree import TreeShape, draft_tree, tree_verify
 
 
@@ -88,6 +89,10 @@ class TreeVerifier(Verifier):
     def verify(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
                rng: Any) -> Verification:
         return speculative_verify(ops, draft, target_logits, sampling, rng)
+
+    def pending(self, ops: ArrayOps, draft: Draft | None, target_logits: Array, sampling: SamplingParams,
+                rng: Any) -> PendingVerification | None:
+        return chain_pending(ops, draft, target_logits, sampling)
 
     def verify_tree(self, ops: ArrayOps, tree: DraftTree, target_logits: Array, sampling: SamplingParams,
                     rng: Any) -> Verification:
