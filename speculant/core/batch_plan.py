@@ -156,11 +156,12 @@ class BatchPlan:
         if not any(rooms):
             return list(rooms)
         thin = not self.settled(stats)
-        if self.cycles >= self._explore_at or (thin and self.cycles >= self._explored_at + THIN_EVERY):
-            return self._explore(rooms, stats, thin)  # a point off the plan's line; while thin, acceptance to pool
         prior = self._prior(max(rooms), stats)
-        limits = self._widths([np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
-                               for s, room in zip(stats, rooms)])
+        gains = [np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
+                 for s, room in zip(stats, rooms)]
+        if self.cycles >= self._explore_at or (thin and self.cycles >= self._explored_at + THIN_EVERY):
+            return self._explore(rooms, gains, thin)  # a point off the plan's line; while thin, acceptance to pool
+        limits = self._widths(gains)
         self._drafted_since = self._drafted_since or any(limits)
         limits = [self._own_width(limits, room) if _verified(s) < OWN_CYCLES else most
                   for room, most, s in zip(rooms, limits, stats)]
@@ -174,7 +175,7 @@ class BatchPlan:
         CPU, and young requests joining one by one kept most cycles wide)."""
         return min(room, max(limits)) if self.padded else room
 
-    def _explore(self, rooms: Sequence[int], stats: Sequence[GenerationStats], thin: bool = False) -> list[int]:
+    def _explore(self, rooms: Sequence[int], gains: list[np.ndarray], thin: bool = False) -> list[int]:
         """One row (in turn) drafts its full width, padded only as far as ``EXPLORE_TOKENS`` more
         tokens in all (32 rows of 8 for one row's sake cost 4x a plain cycle of SmolLM2 on a CPU;
         of 2, 2x). While the plan keeps every row plain between explorations, each costs a padded
@@ -192,7 +193,7 @@ class BatchPlan:
         able = [i for i, room in enumerate(rooms) if room]  # rows with something to draft
         row, self._explored = able[self._explored % len(able)], self._explored + 1
         if self.padded and not thin and not self._wide_measured(len(rooms), max(rooms)) and \
-                self._wide_might_pay(rooms, stats):
+                self._wide_might_pay(rooms, gains):
             return list(rooms)
         most = max(1, EXPLORE_TOKENS // len(rooms)) if self.padded else rooms[row]
         return [min(room, most) if i == row or (thin and self.padded) else 0 for i, room in enumerate(rooms)]
@@ -201,18 +202,19 @@ class BatchPlan:
         """Whether a cycle of ``rows`` rows at least half as wide as a ``room``-draft block is measured."""
         return any(r == rows and t * 2 >= rows * (room + 1) for r, t, _ in self.samples)
 
-    def _wide_might_pay(self, rooms: Sequence[int], stats: Sequence[GenerationStats]) -> bool:
-        """Whether every row drafting its room would beat a plain cycle if the block cost, against
-        a plain one, what it costs at the most rows measured that wide (a guess from fewer rows,
-        whose forwards are cheaper per row: worth measuring, not planning on)."""
+    def _wide_might_pay(self, rooms: Sequence[int], gains: list[np.ndarray]) -> bool:
+        """Whether every row drafting its room (``gains``: the plan's, per row) would beat a plain
+        cycle if the block cost, against a plain one, what it costs at the most rows measured that
+        wide (a guess from fewer rows, whose forwards are cheaper per row: worth measuring, not
+        planning on)."""
         rows, room = len(rooms), max(rooms)
         fewer = [r for r in {r for r, _, _ in self.samples} if r < rows and self._wide_measured(r, room)]
         if not fewer:
             return False
         most, tokens = max(fewer), room + 1
         ratio = self.seconds(most, most * tokens) / self.seconds(most, most)
-        plain, prior = self.seconds(rows, rows), self._prior(room, stats)
-        gained = sum(float(np.sum(self._chances(s, k, prior[:k]))) for s, k in zip(stats, rooms) if k)
+        plain = self.seconds(rows, rows)
+        gained = sum(float(g[-1]) for g in gains if g.size)
         drafting = self.draft_seconds(sum(1 for k in rooms if k))
         return (rows + gained) / (plain * ratio + drafting) > rows / plain
 
