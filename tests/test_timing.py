@@ -29,6 +29,17 @@ def under_load(test):
     return run
 
 
+@pytest.fixture
+def one_thread(torch_threads):
+    """PyTorch on one thread for this test, whatever an earlier test on this worker left set
+    (training sets two): with two, idle OpenMP workers woke 2-6 ms late after each sleep of the
+    slowed layout and made the other one look slow (CI failed so, 2026-12-07)."""
+    threads = torch_threads.get_num_threads()
+    torch_threads.set_num_threads(1)
+    yield torch_threads
+    torch_threads.set_num_threads(threads)
+
+
 def sleeper(seconds: float):
     return lambda: time.sleep(seconds)
 
@@ -48,10 +59,10 @@ def test_the_working_set_takes_layers_in_order_up_to_the_budget():
 
 
 @under_load
-def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads):
-    """One thread (torch_threads): after a sleep, oneDNN's idle OpenMP workers took 2-6 ms to wake,
+def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, one_thread):
+    """One thread (one_thread): after a sleep, oneDNN's idle OpenMP workers took 2-6 ms to wake,
     which made the unslowed packed products look slow."""
-    torch = torch_threads
+    torch = one_thread
     from torch import nn
 
     from speculant.backends.torch import layouts, packed, transposed
@@ -77,11 +88,11 @@ def test_torch_layouts_made_slow_are_measured_slower(monkeypatch, torch_threads)
 
 
 @under_load
-def test_dense_one_row_copies_stay_only_where_measured_faster(monkeypatch, torch_threads):
+def test_dense_one_row_copies_stay_only_where_measured_faster(monkeypatch, one_thread):
     """A packed layer keeps a dense copy of a small weight for one-row products (plain decoding);
     on SmolLM2-135M they made a one-row forward 1.5x slower than packed ones, so they are timed at
     load: made slow on purpose, the slower kind of one-row product must lose."""
-    torch = torch_threads
+    torch = one_thread
     from torch import nn
 
     from speculant.backends.torch import layouts, packed
@@ -110,7 +121,7 @@ def test_dense_one_row_copies_stay_only_where_measured_faster(monkeypatch, torch
 
 
 @under_load
-def test_packed_products_are_timed_through_the_compiled_op_for_compiled_forwards(monkeypatch, torch_threads):
+def test_packed_products_are_timed_through_the_compiled_op_for_compiled_forwards(monkeypatch, one_thread):
     """Under ``on`` packed products run through our own op (packed.packed_product); its cost is
     part of the timing: made slow, packing is measured slower only where it counts."""
     from torch import nn

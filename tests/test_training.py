@@ -66,8 +66,10 @@ def small_target(tokenizer_dir, out, steps=40, stop_at=None):
 
 @pytest.fixture(scope="module")
 def trained_target(tokenizer_dir, tmp_path_factory):
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    return small_target(tokenizer_dir, tmp_path_factory.mktemp("target"))[0]
+    yield small_target(tokenizer_dir, tmp_path_factory.mktemp("target"))[0]
+    torch.set_num_threads(threads)
 
 
 def test_target_loss_decreases_and_loads(trained_target):
