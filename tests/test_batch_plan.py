@@ -256,3 +256,22 @@ def test_a_row_count_is_priced_from_its_own_cycles_not_a_curve_of_others():
     assert plan.seconds(16, 128) == pytest.approx(0.012 * 8)
     assert plan.limits([ROOM] * 16, [history(ROOM)] * 16) == [0] * 16  # 8x the tokens for 8x the time: plain
     assert plan.seconds(4, 32) == pytest.approx(0.008)  # the 4 rows' own curve, as measured
+
+
+def test_a_whole_batch_values_tokens_by_how_much_sooner_its_last_request_ends():
+    """Given each row's tokens left (``generate_many``, none waiting), the batch ends with its last
+    request: a row far ahead saves only its own row's seconds by ending sooner, and the rows that
+    may yet be last save the forward's fixed seconds only as far as all of them accept (the
+    default pair at 4 requests: copies accepted on rows tied for last with rows that had none
+    made the batch no shorter, and it ran at 0.95x plain). The rate reading (every row's token
+    worth the average) decides otherwise in each case."""
+    rows = [history(ROOM), history(0), history(0), history(0)]
+    latency_bound = measured(fixed=0.030, per_token=0.0001, draft=0.005)
+    assert latency_bound.limits([ROOM] * 4, rows)[0] == ROOM
+    assert latency_bound.limits([ROOM] * 4, rows, left=[8, 64, 64, 64]) == [0] * 4  # done long before the rest
+    assert latency_bound.limits([ROOM] * 4, rows, left=[56, 8, 8, 8]) == [0] * 4  # the rest end it: never accepted
+    assert latency_bound.limits([ROOM] * 4, [history(ROOM)] * 4, left=[64] * 4) == [ROOM] * 4  # all accept
+    compute_bound = measured(fixed=0.004, per_token=0.001, draft=0.0001)
+    assert compute_bound.limits([ROOM] * 4, rows) == [0] * 4
+    assert compute_bound.limits([ROOM] * 4, rows, left=[64, 2, 2, 2])[0] > 0  # the last: its drafts shorten the batch
+    assert compute_bound.limits([ROOM] * 4, rows, left=[64, 50, 50, 50]) == [0] * 4  # 8 cycles to the others' 50

@@ -185,7 +185,7 @@ def test_a_lookup_row_without_a_copy_is_planned_as_a_plain_step(pairs):  # noqa:
     engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(pairs["dflash"][0])},
                           "drafter": {"kind": "none", "lookup": True}})
     rooms, limits = [], engine.batch_plan.limits
-    engine.batch_plan.limits = lambda room, stats: rooms.append(list(room)) or limits(room, stats)
+    engine.batch_plan.limits = lambda room, stats, left=None: rooms.append(list(room)) or limits(room, stats, left)
     prompts = [[5, 6, 7, 8, 9] * 6, list(range(30, 50))]
     want = solo(engine, prompts, new=16)
     results = engine.run_many(prompt_ids=prompts, max_new_tokens=16, ignore_eos=True, max_batch=2)
@@ -193,6 +193,29 @@ def test_a_lookup_row_without_a_copy_is_planned_as_a_plain_step(pairs):  # noqa:
     # neither prompt's end has occurred before; then the first falls into a loop (copies) while
     # the second has none yet
     assert rooms[0] == [0, 0] and [7, 0] in rooms
+
+
+def test_a_whole_batch_is_planned_toward_its_last_request_once_none_waits(pairs):  # noqa: F811
+    """``generate_many`` wants every result together: once no request waits, the plan is given
+    each row's tokens still to make (BatchPlan._toward_the_end); a scheduler a server feeds, never."""
+    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(pairs["dflash"][0])},
+                          "drafter": {"kind": "none", "lookup": True}})
+    calls, limits = [], engine.batch_plan.limits
+    engine.batch_plan.limits = lambda room, stats, left=None: calls.append(left) or limits(room, stats, left)
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(30, 50)), list(range(60, 70))]
+    want = solo(engine, prompts, new=16)
+    assert [r.token_ids for r in engine.run_many(prompt_ids=prompts, max_new_tokens=16, ignore_eos=True,
+                                                 max_batch=2)] == want
+    assert calls[0] is None  # the third request waits
+    given = [left for left in calls if left is not None]
+    assert given and all(0 < n <= 16 for left in given for n in left)
+    assert sum(given[-1]) < sum(given[0])
+    calls.clear()
+    scheduler = Scheduler(engine, max_batch=2)
+    for request in requests(engine, prompts[:2], new=16):
+        scheduler.add(request)
+    drain(scheduler.run(), {})
+    assert calls and all(left is None for left in calls)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -301,7 +301,7 @@ class Engine:
             raise EngineBusyError(_BUSY)
         events = None
         try:
-            scheduler = Scheduler(self, max_batch)
+            scheduler = Scheduler(self, max_batch, whole=True)
             for request in requests:
                 scheduler.add(request)
             events = scheduler.run()

@@ -70,13 +70,16 @@ class Scheduler:
 
     :meth:`add` may be called from any thread; :meth:`run` (one thread) yields each request's
     chunks as they are made, its last chunk (``stop_reason`` set) when it ends, and returns
-    once no request is live or waiting."""
+    once no request is live or waiting. ``whole``: the caller wants every result together
+    (``generate_many``), so once none waits the plan values tokens by how much sooner the batch's
+    last request ends (BatchPlan.limits), not by each cycle's own rate."""
 
-    def __init__(self, engine: "Engine", max_batch: int = 1) -> None:
+    def __init__(self, engine: "Engine", max_batch: int = 1, whole: bool = False) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.e = engine
         self.max_batch = max_batch
+        self.whole = whole
         self.live: list[Request] = []
         self.prefilling: list[tuple[Request, "PendingJoin"]] = []  # long prompts joining a chunk a cycle
         self.rows: "BatchedTarget | None" = None  # while requests verify batched
@@ -319,7 +322,9 @@ class Scheduler:
             return [None] * len(live)
         loops = [request.loop for request in live]
         rooms = [loop.room_now() for loop in loops]
-        limits = self.plan.limits(rooms, [loop.stats for loop in loops])
+        ending = self.whole and not self._waiting and not self.prefilling
+        left = [loop.max_new - len(loop.produced) for loop in loops] if ending else None
+        limits = self.plan.limits(rooms, [loop.stats for loop in loops], left)
         for loop, room, most in zip(loops, rooms, limits):
             loop.plain_streak = loop.plain_streak + 1 if room and not most else 0
         speculating = [loop for loop in loops if loop.speculating]
