@@ -15,8 +15,9 @@ is a batch of one through the scheduler and spec / single is the batch of one ag
 ``engine.run`` (issue goal: within 3 %). Aggregate tokens/s = all new tokens / wall seconds of
 the arm (and per CPU second of this process, steadier on a shared machine). Reported: medians
 over ``--repeats`` of tokens/s and of the ratios within a repeat (spec / plain, spec / single),
-the mean acceptance per request (spec and single), and how many
-requests' tokens differ from their single-stream run (spec and plain; printed loudly, must be 0).
+the mean acceptance per request (spec and single), each batched arm's batched forwards and the
+tokens they computed, padding included (``forwards/tokens``: where two arms did the same work, a
+difference in their speed is the machine's), and how many requests' tokens differ from their single-stream run (spec and plain; printed loudly, must be 0).
 One warm-up of every arm before timing.
 
     python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8 | --pair NAME]
@@ -124,10 +125,15 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
     mismatches = {arm: 0 for arm in arms if arm != "single"}
     acceptance: dict[str, list[float]] = {"spec": [], "single": []}
     batched_cycles: list[int] = []
+    work: dict[str, list[tuple[int, int]]] = {arm: [] for arm in arms if arm != "single"}
     for repeat in range(args.repeats):
         results = {}
         for arm in (arms if repeat % 2 == 0 else arms[::-1]):
+            plan = engines[arm].batch_plan if arm in work else None
+            before = (plan.cycles, plan.computed) if plan else None
             seconds, cpu, results[arm] = run_arm(arm, engines, prompts, c, args.max_new_tokens)
+            if plan:
+                work[arm].append((plan.cycles - before[0], plan.computed - before[1]))
             tokens = sum(r.stats.new_tokens for r in results[arm])
             rates[arm].append(tokens / seconds)
             cpu_rates[arm].append(tokens / cpu)
@@ -155,6 +161,9 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
     row.update({f"{arm}_mismatches": m for arm, m in mismatches.items()})
     row.update({f"{arm}_mean_acceptance": statistics.fmean(v) for arm, v in acceptance.items() if v})
     row["spec_batched_cycles_mean"] = statistics.fmean(batched_cycles) if batched_cycles else 0.0
+    for arm, done in work.items():  # the work each arm's batched forwards did: the same work should take the same time
+        row[f"{arm}_forwards"] = statistics.median(n for n, _ in done)
+        row[f"{arm}_computed_tokens"] = statistics.median(t for _, t in done)
     row["per_repeat_tok_s"], row["per_repeat_cpu_tok_s"] = rates, cpu_rates
     return row
 
@@ -166,6 +175,8 @@ def print_row(row: dict) -> None:
               for k in (f"{a}_over_{b}" for a, b in RATIOS) if k in row]
     parts += [f"acceptance spec {row['spec_mean_acceptance']:.2f}"] if "spec_mean_acceptance" in row else []
     parts += [f"single {row['single_mean_acceptance']:.2f}"] if "single_mean_acceptance" in row else []
+    parts += ["forwards/tokens " + " ".join(f"{arm} {row[f'{arm}_forwards']:g}/{row[f'{arm}_computed_tokens']:g}"
+                                             for arm in ARMS if f"{arm}_forwards" in row)]
     parts += [f"mismatches " + "/".join(str(row.get(f"{arm}_mismatches", 0)) for arm in ARMS if arm != "single")]
     print("  ".join(parts), flush=True)
 

@@ -93,6 +93,9 @@ def test_batch_generate_benchmark_reports_every_arm_and_identical_outputs(tmp_pa
         assert row["spec_mismatches"] == row["plain_mismatches"] == 0
         assert len(row["per_repeat_tok_s"]["spec"]) == 2
     assert report["rows"][1]["spec_batched_cycles_mean"] > 0  # the three requests did verify batched
+    three = report["rows"][1]
+    assert 0 < three["plain_forwards"] <= three["plain_computed_tokens"] <= 3 * three["plain_forwards"]  # a token a row
+    assert three["spec_computed_tokens"] > three["spec_forwards"] > 0
 
 
 def test_batch_joins_benchmark_reports_both_measurements(tmp_path, planted_pair):

@@ -40,6 +40,7 @@ class BatchPlan:
     def __init__(self) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (rows, tokens, forward seconds)
         self.cycles = 0
+        self.computed = 0  # tokens the batched forwards computed, padding included (stats)
         self.explore_every = EXPLORE_EVERY
         self._explore_at = EXPLORE_EVERY  # the cycle of the next exploration
         self._explored = 0
@@ -60,6 +61,7 @@ class BatchPlan:
         """One batched cycle: its rows, the tokens its forward computed (padding included), its
         seconds, and its draft call: the rows it drafted and its seconds (within ``seconds``)."""
         self.cycles += 1
+        self.computed += tokens
         if self._exploring:  # priced against the plain cycles measured before it
             self._space_explorations(rows, seconds)
         if drafted:
