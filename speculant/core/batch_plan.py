@@ -32,6 +32,7 @@ STEADY = 3  # draft calls over one row count before that count's median is read 
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
 EVIDENCE = 16  # drafted row-cycles verified (pooled) before the plan's acceptance is trusted to turn drafting off
 THIN_EVERY = 8  # until then, an exploration this many cycles apart
+RECENT = 16  # each row's last cycles read for how much its tokens a cycle vary (bounded work a cycle)
 
 
 class BatchPlan:
@@ -342,10 +343,10 @@ class BatchPlan:
 def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats]) -> np.ndarray:
     """Which rows may end last: their cycles left (``left`` tokens at their mean tokens a cycle so
     far) within one standard deviation of the difference from the most. A row's tokens a cycle
-    vary as every live row's have (pooled: a row that never copied may yet), so ``n`` tokens at a
+    vary as every live row's recent ones have (pooled: a row that never copied may yet), so ``n`` tokens at a
     mean ``m`` and variance ``v`` take ``n / m`` cycles, give or take ``sqrt(n v / m^3)``."""
     paces = np.array([max(s.mean_acceptance_length, 1.0) for s in stats])
-    emitted = [n for s in stats for n in s.acceptance_lengths]
+    emitted = [n for s in stats for n in s.acceptance_lengths[-RECENT:]]
     variance = float(np.var(emitted)) if emitted else 0.0
     cycles = np.asarray(left, float) / paces
     spread = np.sqrt(np.asarray(left, float) * variance / paces ** 3)
