@@ -241,6 +241,23 @@ def test_a_costly_exploration_spaces_out_the_next_so_explorations_stay_a_small_s
     assert plan.limits([ROOM] * 4, [history(0)] * 4) != [0] * 4  # now
 
 
+def test_a_costly_exploration_spaces_out_the_explorations_of_thin_acceptance_too():
+    """While the pooled acceptance is thin, explorations come every ``THIN_EVERY`` cycles, but not
+    sooner than the last one's cost allows: on the default pair at 4 requests (prompt lookup, few
+    drafted rows, so thin for a whole run) one 8-wide block every 8 cycles cost 2.5 plain cycles
+    each, and the batch ran at 0.94x plain."""
+    plan = measured(fixed=0.0, per_token=0.001, draft=0.0)
+    young = [history(0, cycles=2)] * 4
+    plan.cycles = THIN_EVERY
+    assert any(plan.limits([ROOM] * 4, young))  # a thin exploration
+    plan.observe(4, 4 * 9, 0.012)  # 2 plain cycles more
+    nearest = plan.cycles + int(2.0 / EXPLORE_SHARE)
+    plan.cycles = plan._explored_at + THIN_EVERY
+    assert plan.limits([ROOM] * 4, young) == [0] * 4  # not yet
+    plan.cycles = nearest
+    assert any(plan.limits([ROOM] * 4, young))  # now
+
+
 def test_a_row_count_is_priced_from_its_own_cycles_not_a_curve_of_others():
     """4-row cycles of 4 and 32 tokens, then 16-row plain cycles (16 tokens, dearer than the
     4-row wide ones: more rows' attention and bookkeeping): a curve over all of them reads flat

@@ -46,6 +46,7 @@ class BatchPlan:
         self._explore_at = EXPLORE_EVERY  # the cycle of the next exploration
         self._explored = 0
         self._explored_at = 0  # the cycle of the last exploration
+        self._spaced_at = 0  # no exploration before this cycle: the last one's cost (EXPLORE_SHARE)
         self._exploring = False  # the cycle being run is an exploration
         self._memo: dict = {}  # seconds read off the samples, until the next observation
         self._drafted_since = True  # the plan gave some row drafts since the last exploration (or none was made)
@@ -80,7 +81,8 @@ class BatchPlan:
             return
         extra = seconds / plain - 1.0
         spacing = min(int(extra / EXPLORE_SHARE), EXPLORE_MOST)
-        self._explore_at = max(self._explore_at, self.cycles + spacing)
+        self._spaced_at = self.cycles + spacing
+        self._explore_at = max(self._explore_at, self._spaced_at)
 
     def draft_seconds(self, rows: int) -> float:
         key = ("draft", rows)
@@ -167,7 +169,8 @@ class BatchPlan:
                  for s, room in zip(stats, rooms)]
         if left is not None:
             gains = self._toward_the_end(gains, left, stats)
-        if self.cycles >= self._explore_at or (thin and self.cycles >= self._explored_at + THIN_EVERY):
+        if self.cycles >= self._explore_at or (thin and self.cycles >= max(self._explored_at + THIN_EVERY,
+                                                                             self._spaced_at)):
             return self._explore(rooms, gains, thin)  # a point off the plan's line; while thin, acceptance to pool
         limits = self._widths(gains)
         self._drafted_since = self._drafted_since or any(limits)
