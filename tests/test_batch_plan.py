@@ -277,17 +277,26 @@ def test_a_row_count_is_priced_from_its_own_cycles_not_a_curve_of_others():
 
 def test_a_whole_batch_values_tokens_by_how_much_sooner_its_last_request_ends():
     """Given each row's tokens left (``generate_many``, none waiting), the batch ends with its last
-    request: a row far ahead saves only its own row's seconds by ending sooner, and the rows that
-    may yet be last save the forward's fixed seconds only as far as all of them accept (the
-    default pair at 4 requests: copies accepted on rows tied for last with rows that had none
-    made the batch no shorter, and it ran at 0.95x plain). The rate reading (every row's token
-    worth the average) decides otherwise in each case."""
+    request: a row far ahead saves only its own row's seconds by ending sooner; the rows that may
+    yet be last share the forward's fixed seconds, each by its own gains while which of them ends
+    last is open, but once that is settled only as far as all of them accept (the default pair at
+    4 requests: copies accepted on rows tied for last beside rows with none made the batch no
+    shorter, 0.95x plain). The rate reading (every token worth the average) decides otherwise."""
     rows = [history(ROOM), history(0), history(0), history(0)]
     latency_bound = measured(fixed=0.030, per_token=0.0001, draft=0.005)
     assert latency_bound.limits([ROOM] * 4, rows)[0] == ROOM
     assert latency_bound.limits([ROOM] * 4, rows, left=[8, 64, 64, 64]) == [0] * 4  # done long before the rest
     assert latency_bound.limits([ROOM] * 4, rows, left=[56, 8, 8, 8]) == [0] * 4  # the rest end it: never accepted
     assert latency_bound.limits([ROOM] * 4, [history(ROOM)] * 4, left=[64] * 4) == [ROOM] * 4  # all accept
+    varied = GenerationStats()  # whole blocks accepted every other cycle, none in between
+    for cycle in range(20):
+        varied.record_cycle(ROOM, ROOM * (cycle % 2), ROOM * (cycle % 2) + 1)
+    balanced = measured(fixed=0.005, per_token=0.001, draft=0.0001)
+    assert balanced.limits([ROOM] * 4, [varied] * 4) == [ROOM] * 4
+    # far from the end any of them may end last: each one's own gains count, as in the rate reading
+    assert balanced.limits([ROOM] * 4, [varied] * 4, left=[60] * 4) == [ROOM] * 4
+    assert balanced.limits([2] * 4, [varied] * 4) == [2] * 4
+    assert balanced.limits([2] * 4, [varied] * 4, left=[3] * 4) == [0] * 4  # at the end, only what all gain
     compute_bound = measured(fixed=0.004, per_token=0.001, draft=0.0001)
     assert compute_bound.limits([ROOM] * 4, rows) == [0] * 4
     assert compute_bound.limits([ROOM] * 4, rows, left=[64, 2, 2, 2])[0] > 0  # the last: its drafts shorten the batch

@@ -167,8 +167,7 @@ class BatchPlan:
         prior = self._prior(max(rooms), stats)
         gains = [np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
                  for s, room in zip(stats, rooms)]
-        if left is not None:
-            gains = self._toward_the_end(gains, left, stats)
+        gains = gains if left is None else self._toward_the_end(gains, left, stats)
         if self.cycles >= self._explore_at or (thin and self.cycles >= max(self._explored_at + THIN_EVERY,
                                                                              self._spaced_at)):
             return self._explore(rooms, gains, thin)  # a point off the plan's line; while thin, acceptance to pool
@@ -182,21 +181,21 @@ class BatchPlan:
     def _toward_the_end(self, gains: list[np.ndarray], left: Sequence[int],
                         stats: Sequence[GenerationStats]) -> list[np.ndarray]:
         """Where the caller wants every result together (``generate_many``) and no request waits,
-        the batch lasts as long as its last request, and a token is worth the seconds it takes
-        off that end. The rows that may yet be last (:func:`_may_be_last`) end it a cycle sooner
-        only where every one of them gains that cycle, so the forward's fixed seconds count for
-        the drafts all of them accept (position ``j``: the product of their chances), shared
-        among them; each row's own tokens save its own seconds (the forward's cost of one more
-        token) by ending sooner. The rate reading values every token at ``plain / rows``: gains
-        are rescaled to it. (The default pair at 4 requests: copies accepted on rows tied for
-        last beside rows with none made the batch no shorter, 0.95x plain;
-        docs/history/batching-history.md.)"""
+        the batch lasts as long as its last request: a token is worth the seconds it takes off
+        that end. Each row's own tokens save its own seconds (the forward's cost of one more
+        token) by ending sooner; the forward's fixed seconds are shared by the rows that may yet
+        be last (:func:`_may_be_last`). Where which of them ends last is open by a cycle or more,
+        each one's gains count; where it is settled, the batch ends a cycle sooner only where all
+        of them gain one, so only the drafts they all accept count (position ``j``: the product
+        of their chances). Gains are rescaled to the rate reading's value of a token, ``plain /
+        rows``. (The default pair at 4 requests: copies accepted on rows tied for last beside
+        rows with none made the batch no shorter, 0.95x plain; docs/history/batching-history.md.)"""
         rows = len(gains)
         plain = self.seconds(rows, rows)
         if rows < 2 or not plain > 0:
             return gains
         own = min(max(self.seconds(rows, rows + 1) - plain, 0.0), plain / rows)
-        near = _may_be_last(left, stats)
+        near, spread = _may_be_last(left, stats)
         depth = max(g.size for g in gains)
         together = np.ones(depth)  # P(every row that may be last accepts drafts 1..j)
         for g, n, tokens in zip(gains, near, left):
@@ -204,8 +203,10 @@ class BatchPlan:
                 chances = np.diff(g, prepend=0.0)
                 after = chances[-1] if g.size and g.size + 1 >= tokens else 0.0
                 together *= np.concatenate([chances, np.full(depth - g.size, after)])
-        sooner = np.cumsum(together) * (plain - rows * own) / int(near.sum())
-        return [(own * g + (sooner[:g.size] if n else 0.0)) * rows / plain for g, n in zip(gains, near)]
+        mix = min(1.0, spread)  # 1: open, 0: settled
+        share = (plain - rows * own) / int(near.sum())
+        return [(own * g + (share * ((1 - mix) * np.cumsum(together)[:g.size] + mix * g) if n else 0.0))
+                * rows / plain for g, n in zip(gains, near)]
 
     def _own_width(self, limits: Sequence[int], room: int) -> int:
         """A young request's drafts: in full, so its own acceptance is known early; but where blocks
@@ -343,18 +344,18 @@ class BatchPlan:
         return np.where(sub > 0, acc / np.maximum(sub, 1), 0.5 ** np.arange(1, room + 1))
 
 
-def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats]) -> np.ndarray:
-    """Which rows may end last: their cycles left (``left`` tokens at their mean tokens a cycle so
-    far) within one standard deviation of the difference from the most. A row's tokens a cycle
-    vary as every live row's recent ones have (pooled: a row that never copied may yet), so ``n`` tokens at a
-    mean ``m`` and variance ``v`` take ``n / m`` cycles, give or take ``sqrt(n v / m^3)``."""
+def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats]) -> tuple[np.ndarray, float]:
+    """Which rows may end last, and by how many cycles the last one's end is uncertain: a row's
+    ``n`` tokens left, at the mean ``m`` and variance ``v`` of its recent tokens a cycle, take
+    ``n / m`` cycles, give or take ``sqrt(n v / m^3)``; a row is in if within one standard
+    deviation of the difference from the most. A row's own variance, not the batch's: prompt
+    lookup copies where the text repeats, and a row that has had nothing to copy rarely starts."""
     paces = np.array([max(s.mean_acceptance_length, 1.0) for s in stats])
-    emitted = [n for s in stats for n in s.acceptance_lengths[-RECENT:]]
-    variance = float(np.var(emitted)) if emitted else 0.0
-    cycles = np.asarray(left, float) / paces
-    spread = np.sqrt(np.asarray(left, float) * variance / paces ** 3)
+    variances = np.array([np.var(s.acceptance_lengths[-RECENT:]) if s.acceptance_lengths else 0.0 for s in stats])
+    tokens = np.asarray(left, float)
+    cycles, spread = tokens / paces, np.sqrt(tokens * variances / paces ** 3)
     last = int(np.argmax(cycles))
-    return cycles + np.sqrt(spread ** 2 + spread[last] ** 2) >= cycles[last] - 1e-9
+    return cycles + np.sqrt(spread ** 2 + spread[last] ** 2) >= cycles[last] - 1e-9, float(spread[last])
 
 
 def _verified(stats: GenerationStats) -> int:
