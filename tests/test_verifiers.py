@@ -166,6 +166,15 @@ def test_processing_order_temperature_then_top_k_then_top_p(ops):
     np.testing.assert_allclose(hot[0], reference_probs(logits[0], 3.0, 0, 0.5), atol=1e-6)
 
 
+def test_a_top_p_below_float32s_smallest_keeps_the_most_likely_token(ops):
+    """top_p = 5e-324 (the fuzzed server found it) is 0 in float32: the most likely token must still
+    be kept, not every token dropped (a NaN row, read as non-finite logits)."""
+    logits = np.random.default_rng(6).normal(size=(2, 7)).astype(np.float32)
+    for top_p in (5e-324, 1e-40):
+        p = ops.to_numpy(target_probs(ops, f32(ops, logits), SamplingParams(1.0, top_p, 0)))
+        np.testing.assert_array_equal(p, np.eye(7, dtype=np.float32)[logits.argmax(-1)])
+
+
 def test_top_k_one_at_positive_temperature_is_greedy(ops):
     logits = np.random.default_rng(5).normal(size=(3, 9)).astype(np.float32)
     p = ops.to_numpy(target_probs(ops, f32(ops, logits), SamplingParams(1.3, 1.0, 1)))

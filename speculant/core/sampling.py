@@ -45,6 +45,8 @@ def top_p_filter(ops: ArrayOps, probs: Array, top_p: float) -> Array:
     s = ops.sort_descending(probs)
     mass_before = ops.cumsum(s) - s
     smallest_kept = -ops.max(ops.where(mass_before < top_p, -s, -math.inf), keepdims=True)
+    # a top_p that is 0 in float32 (5e-324) keeps no token above: the most likely one stays
+    smallest_kept = ops.where(smallest_kept > s[..., :1], s[..., :1], smallest_kept)
     kept = ops.where(probs < smallest_kept, 0.0, probs)
     return kept / ops.sum(kept, keepdims=True)
 
