@@ -286,7 +286,7 @@ def test_a_whole_batch_values_tokens_by_how_much_sooner_its_last_request_ends():
     latency_bound = measured(fixed=0.030, per_token=0.0001, draft=0.005)
     assert latency_bound.limits([ROOM] * 4, rows)[0] == ROOM
     assert latency_bound.limits([ROOM] * 4, rows, left=[8, 64, 64, 64]) == [0] * 4  # done long before the rest
-    assert latency_bound.limits([ROOM] * 4, rows, left=[56, 8, 8, 8]) == [0] * 4  # the rest end it: never accepted
+    assert latency_bound.limits([ROOM, 0, 0, 0], rows, left=[56, 8, 8, 8]) == [0] * 4  # the rest, nothing to draft, end it
     assert latency_bound.limits([ROOM] * 4, [history(ROOM)] * 4, left=[64] * 4) == [ROOM] * 4  # all accept
     varied = GenerationStats()  # whole blocks accepted every other cycle, none in between
     for cycle in range(20):

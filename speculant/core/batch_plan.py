@@ -32,7 +32,6 @@ STEADY = 3  # draft calls over one row count before that count's median is read 
 WARM_UP = 4  # cycles measured (plain and full width in turn) before widths are planned
 EVIDENCE = 16  # drafted row-cycles verified (pooled) before the plan's acceptance is trusted to turn drafting off
 THIN_EVERY = 8  # until then, an exploration this many cycles apart
-RECENT = 16  # each row's last cycles read for how much its tokens a cycle vary (bounded work a cycle)
 
 
 class BatchPlan:
@@ -195,7 +194,7 @@ class BatchPlan:
         if rows < 2 or not plain > 0:
             return gains
         own = min(max(self.seconds(rows, rows + 1) - plain, 0.0), plain / rows)
-        near, spread = _may_be_last(left, stats)
+        near, spread = _may_be_last(left, stats, gains)
         depth = max(g.size for g in gains)
         together = np.ones(depth)  # P(every row that may be last accepts drafts 1..j)
         for g, n, tokens in zip(gains, near, left):
@@ -203,7 +202,7 @@ class BatchPlan:
                 chances = np.diff(g, prepend=0.0)
                 after = chances[-1] if g.size and g.size + 1 >= tokens else 0.0
                 together *= np.concatenate([chances, np.full(depth - g.size, after)])
-        mix = min(1.0, spread)  # 1: open, 0: settled
+        mix = min(1.0, float(spread[near].min()))  # 1: open, 0: settled (a row that will surely end last)
         share = (plain - rows * own) / int(near.sum())
         return [(own * g + (share * ((1 - mix) * np.cumsum(together)[:g.size] + mix * g) if n else 0.0))
                 * rows / plain for g, n in zip(gains, near)]
@@ -344,18 +343,19 @@ class BatchPlan:
         return np.where(sub > 0, acc / np.maximum(sub, 1), 0.5 ** np.arange(1, room + 1))
 
 
-def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats]) -> tuple[np.ndarray, float]:
-    """Which rows may end last, and by how many cycles the last one's end is uncertain: a row's
-    ``n`` tokens left, at the mean ``m`` and variance ``v`` of its recent tokens a cycle, take
-    ``n / m`` cycles, give or take ``sqrt(n v / m^3)``; a row is in if within one standard
-    deviation of the difference from the most. A row's own variance, not the batch's: prompt
-    lookup copies where the text repeats, and a row that has had nothing to copy rarely starts."""
+def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats], gains: list[np.ndarray]) -> tuple:
+    """Which rows may end last, and by how many cycles each one's end is uncertain: ``n`` tokens
+    left at its pace so far ``m`` take ``n / m`` cycles, give or take ``sqrt(n v / M^3)`` for the
+    variance ``v`` and mean ``M`` of what a cycle drafting its room now would give (``gains``: a
+    row with nothing to draft, as prompt lookup without a copy, or whose drafts are never
+    accepted, surely gives one). A row is in if within one standard deviation of the most."""
     paces = np.array([max(s.mean_acceptance_length, 1.0) for s in stats])
-    variances = np.array([np.var(s.acceptance_lengths[-RECENT:]) if s.acceptance_lengths else 0.0 for s in stats])
-    tokens = np.asarray(left, float)
-    cycles, spread = tokens / paces, np.sqrt(tokens * variances / paces ** 3)
+    chances = [np.diff(g, prepend=0.0) for g in gains]  # P(at least j accepted)
+    mean = np.array([c.sum() for c in chances])
+    variance = np.array([float((2 * np.arange(1, c.size + 1) - 1) @ c) for c in chances]) - mean ** 2
+    cycles, spread = np.asarray(left) / paces, np.sqrt(np.asarray(left) * np.maximum(variance, 0.0) / (1 + mean) ** 3)
     last = int(np.argmax(cycles))
-    return cycles + np.sqrt(spread ** 2 + spread[last] ** 2) >= cycles[last] - 1e-9, float(spread[last])
+    return cycles + np.sqrt(spread ** 2 + spread[last] ** 2) >= cycles[last] - 1e-9, spread
 
 
 def _verified(stats: GenerationStats) -> int:
