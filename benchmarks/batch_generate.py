@@ -17,7 +17,8 @@ the arm (and per CPU second of this process, steadier on a shared machine). Repo
 over ``--repeats`` of tokens/s and of the ratios within a repeat (spec / plain, spec / single),
 the mean acceptance per request (spec and single), each batched arm's batched forwards and the
 tokens they computed, padding included (``forwards/tokens``: where two arms did the same work, a
-difference in their speed is the machine's), and how many requests' tokens differ from their single-stream run (spec and plain; printed loudly, must be 0).
+difference in their speed is the machine's), and how many requests' tokens differ from their
+single-stream run (spec and plain; printed loudly, must be 0).
 One warm-up of every arm before timing.
 
     python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8 | --pair NAME]

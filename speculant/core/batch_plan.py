@@ -194,18 +194,19 @@ class BatchPlan:
         if rows < 2 or not plain > 0:
             return gains
         own = min(max(self.seconds(rows, rows + 1) - plain, 0.0), plain / rows)
-        near, spread = _may_be_last(left, stats, gains)
+        chances = [np.diff(g, prepend=0.0) for g in gains]  # P(at least j accepted)
+        near, spread = _may_be_last(left, stats, chances)
         depth = max(g.size for g in gains)
         together = np.ones(depth)  # P(every row that may be last accepts drafts 1..j)
-        for g, n, tokens in zip(gains, near, left):
+        for c, n, tokens in zip(chances, near, left):
             if n:  # a row whose room holds all it has left ends once its drafts are accepted
-                chances = np.diff(g, prepend=0.0)
-                after = chances[-1] if g.size and g.size + 1 >= tokens else 0.0
-                together *= np.concatenate([chances, np.full(depth - g.size, after)])
+                after = c[-1] if c.size and c.size + 1 >= tokens else 0.0
+                together *= np.concatenate([c, np.full(depth - c.size, after)])
         mix = min(1.0, float(spread[near].min()))  # 1: open, 0: settled (a row that will surely end last)
         share = (plain - rows * own) / int(near.sum())
-        return [(own * g + (share * ((1 - mix) * np.cumsum(together)[:g.size] + mix * g) if n else 0.0))
-                * rows / plain for g, n in zip(gains, near)]
+        all_gain = share * (1 - mix) * np.cumsum(together)
+        return [(own * g + (all_gain[:g.size] + share * mix * g if n else 0.0)) * rows / plain
+                for g, n in zip(gains, near)]
 
     def _own_width(self, limits: Sequence[int], room: int) -> int:
         """A young request's drafts: in full, so its own acceptance is known early; but where blocks
@@ -343,14 +344,13 @@ class BatchPlan:
         return np.where(sub > 0, acc / np.maximum(sub, 1), 0.5 ** np.arange(1, room + 1))
 
 
-def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats], gains: list[np.ndarray]) -> tuple:
+def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats], chances: list[np.ndarray]) -> tuple:
     """Which rows may end last, and by how many cycles each one's end is uncertain: ``n`` tokens
     left at its pace so far ``m`` take ``n / m`` cycles, give or take ``sqrt(n v / M^3)`` for the
-    variance ``v`` and mean ``M`` of what a cycle drafting its room now would give (``gains``: a
+    variance ``v`` and mean ``M`` of what a cycle drafting its room now would give (``chances``: a
     row with nothing to draft, as prompt lookup without a copy, or whose drafts are never
     accepted, surely gives one). A row is in if within one standard deviation of the most."""
     paces = np.array([max(s.mean_acceptance_length, 1.0) for s in stats])
-    chances = [np.diff(g, prepend=0.0) for g in gains]  # P(at least j accepted)
     mean = np.array([c.sum() for c in chances])
     variance = np.array([float((2 * np.arange(1, c.size + 1) - 1) @ c) for c in chances]) - mean ** 2
     cycles, spread = np.asarray(left) / paces, np.sqrt(np.asarray(left) * np.maximum(variance, 0.0) / (1 + mean) ** 3)
