@@ -359,6 +359,27 @@ def test_a_request_moves_its_caches_into_a_batch_and_back(family, plain_tokens, 
     assert resumed.token_ids == engine.run(prompt_ids=turn, max_new_tokens=8, ignore_eos=True).token_ids
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_a_request_whose_context_is_shorter_than_the_convolution_moves_into_a_batch(family, name, backend):
+    """A Gated DeltaNet layer of the target's own cache holds fewer convolution inputs than its
+    kernel (4) while the context is shorter; moved into a batch it is joined by rows holding the
+    kernel's (a campaign found the join failing on PyTorch: one request of a 1-token prompt, a
+    second arriving two tokens later)."""
+    engine = load_engine({"backend": backend_config(backend), "target": {"path": str(family(name))}})
+    prompts = [[40], [41, 42]]
+    want = solo(engine, prompts, new=12)
+    first, second = requests(engine, prompts, new=12)
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    scheduler.add(first)
+    for request, chunk in scheduler.run():
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+        if request is first and len(emitted[0]) == 2:
+            scheduler.add(second)
+    assert [emitted[0], emitted[1]] == want
+    assert first.loop.stats.cache_moves >= 1 and second.loop.stats.batched_cycles > 0
+
 def batch_class(backend: str):
     if backend == "mlx":
         from speculant.backends.mlx.batch import MLXBatch
