@@ -218,6 +218,28 @@ def test_a_whole_batch_is_planned_toward_its_last_request_once_none_waits(pairs)
     assert calls and all(left is None for left in calls)
 
 
+
+@pytest.mark.parametrize("cancelled", [(0,), (1,), (0, 1, 2)])
+def test_requests_cancelled_before_they_join_end_alone(family, plain_tokens, cancelled):
+    """Requests cancelled while they wait (a client gone from a server's queue) and admitted
+    together with others end with nothing, and the others join and run as alone. Ending the first
+    before the others joined ended the new batch under them (a server campaign found every request
+    of that batch failing)."""
+    plain = plain_tokens("llama", "torch")
+    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(family("llama"))}})
+    reqs = requests(engine, PROMPTS[:3], new=6)
+    for i in cancelled:
+        reqs[i].loop.cancel.set()
+    scheduler, emitted, ends = Scheduler(engine, max_batch=3), {}, {}
+    for request in reqs:
+        scheduler.add(request)
+    for request, chunk in scheduler.run():
+        emitted.setdefault(request.key, []).extend(chunk.token_ids)
+        ends[request.key] = chunk.stop_reason
+    for i in range(3):
+        assert (emitted[i], ends[i]) == (([], "cancelled") if i in cancelled else (plain[i][:6], "max_new_tokens")), i
+    assert scheduler.rows is None and not scheduler.live  # the batch is gone with its last request
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_cancelled_request_frees_its_slot_and_changes_nobody(family, plain_tokens, backend):
     plain = plain_tokens("llama", backend)

@@ -82,6 +82,7 @@ class Scheduler:
         self.whole = whole
         self.live: list[Request] = []
         self.prefilling: list[tuple[Request, "PendingJoin"]] = []  # long prompts joining a chunk a cycle
+        self._joining = False  # the batch is kept while requests join it, even when it holds none yet
         self.rows: "BatchedTarget | None" = None  # while requests verify batched
         self.batch_refused: str | None = None  # why this target does not batch, once tried
         self._waiting: deque[Request] = deque()
@@ -167,13 +168,21 @@ class Scheduler:
         """Add ``requests`` as rows: new ones are prefilled there (each from the longest stored
         prefix of its prompt; those the batch can, in one forward) and emit their first tokens;
         one that ran alone moves its caches in (Loop.into_batch)."""
+        cancelled = [request for request in requests if request.loop.cancelled()]
+        self._joining = True
+        try:
+            yield from self._join_all([request for request in requests if request not in cancelled])
+        finally:
+            self._joining = False
+        # the cancelled ones end after the others joined: the batch may hold none until then
+        # (with none it ends here, as a join that failed alone leaves it)
+        yield from self._end(*cancelled)
+
+    def _join_all(self, requests: list[Request]) -> Iterator[tuple[Request, Chunk]]:
         planned, together = [], []
         decoding = bool(self.rows.keys)  # rows that a long prompt's prefill would hold back
         for request in requests:
             loop = request.loop
-            if loop.cancelled():
-                yield from self._end(request)
-                continue
             if not loop.produced and loop.speculating and not self._worth_drafting(loop):
                 loop.speculating = False
                 loop.stats.batch_note = f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests"
@@ -370,7 +379,7 @@ class Scheduler:
             leaving = [request.key for request in requests if request.key in self.rows.keys]
             if leaving:
                 self.rows.leave_many(leaving)
-            if not self.rows.keys and not self.prefilling:
+            if not self.rows.keys and not self.prefilling and not self._joining:
                 self.rows = None  # the next request alone runs on the target's own cache again
         for request, final in zip(requests, finals):
             loop = request.loop
