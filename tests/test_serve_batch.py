@@ -137,6 +137,42 @@ def test_bad_settings_are_a_400_beside_a_running_batch(engine):
     assert good.choices[0].text == engine.run(PROMPTS[3], max_new_tokens=6, temperature=0).text
 
 
+
+def test_a_batch_that_fails_fails_its_requests_with_a_logged_500_and_the_server_goes_on(engine, monkeypatch,
+                                                                                        caplog):
+    """A batched forward that raises (a bug, a device fault) fails the requests in that batch with
+    a typed 500, logs the traceback for the operator, and the next request is served as before."""
+    from speculant.backends.torch.batch import TorchBatch
+
+    verify, failed = TorchBatch.verify, []
+
+    def failing(self, *args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("the device went away")
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBatch, "verify", failing)
+    app = create_app(engine, timeout=TIMEOUT, max_batch=2)
+    with serving(app) as url:
+        start = threading.Barrier(2)
+
+        def client(prompt):
+            start.wait(TIMEOUT)
+            return httpx.post(url + "/v1/completions", timeout=TIMEOUT,
+                              json={"model": "speculant", "prompt": prompt, "max_tokens": 400, "temperature": 0})
+
+        with futures.ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(client, PROMPTS[:2], timeout=TIMEOUT))
+        after = ask(url, PROMPTS[3], 6, False)
+    assert failed and 500 in [r.status_code for r in replies]
+    for reply in replies:
+        if reply.status_code == 500:
+            assert reply.json()["error"] == {"message": "internal error: RuntimeError: the device went away",
+                                             "type": "server_error", "param": None, "code": "internal_error"}
+    assert any("the batch failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert after == engine.run(PROMPTS[3], max_new_tokens=6, temperature=0).text
+
 @pytest.mark.parametrize("value", [0, -3, True, 2.5])
 def test_max_batch_must_be_a_whole_number_of_at_least_one(engine, value):
     with pytest.raises(ValueError, match="max_batch"):

@@ -190,6 +190,7 @@ class Worker:
                         self._flush_ends()
                     self._check_deadlines()
             except Exception as exc:  # noqa: BLE001  a batched forward failed: every request in it fails
+                logger.exception("speculant: the batch failed; its %d requests end with the error", len(self._jobs))
                 self._fail_taken(exc)
 
     def _feed(self) -> bool:
