@@ -3,7 +3,8 @@ fields and random bytes against a real server in this process, on a tiny real ta
 64-token window (every generation ends within milliseconds).
 
 Each answer must be a typed OpenAI-shaped error or a success: never a 500, a logged traceback,
-a hang, or a non-finite setting reaching the engine.
+a hang, or a non-finite setting reaching the engine. Requests also go several at once, some
+clients leaving after the first line, beside a greedy request that must get its text alone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -201,4 +203,42 @@ def test_any_request_gets_a_typed_answer(fuzzed, request):
     reply = httpx.post(url + path, content=content, headers={"content-type": "application/json"},
                        timeout=REQUEST_S)
     check_reply(reply)
+    assert engine.non_finite == [] and errors.records == []
+
+
+# -- many at once ---------------------------------------------------------------------------------
+CANARY = ("/v1/completions", {"model": "speculant", "prompt": "def f(x):", "max_tokens": 24, "temperature": 0})
+
+
+def send(url: str, path: str, content: bytes, leave: bool):
+    """The reply to one request, or None where its client reads one line of it and leaves."""
+    headers = {"content-type": "application/json"}
+    if not leave:
+        return httpx.post(url + path, content=content, headers=headers, timeout=REQUEST_S)
+    with httpx.stream("POST", url + path, content=content, headers=headers, timeout=REQUEST_S) as reply:
+        next(reply.iter_lines(), None)
+    return None
+
+
+@settings(max_examples=20, deadline=timedelta(seconds=3 * REQUEST_S), database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(batch=st.lists(st.tuples(requests(), st.booleans()), min_size=1, max_size=5))
+def test_requests_at_once_get_typed_answers_and_a_greedy_one_its_output_alone(fuzzed, batch):
+    """Random requests sent together (some clients leaving after one line) share the server's
+    batch with a greedy request: each answer is typed, and the greedy one's text is what it is
+    when it runs alone (a request cancelled as it joined once failed its whole batch)."""
+    url, engine, errors = fuzzed
+    path, body = CANARY
+    alone = send(url, path, json.dumps(body).encode(), False)
+    with ThreadPoolExecutor(len(batch) + 1) as pool:
+        beside = pool.submit(send, url, path, json.dumps(body).encode(), False)
+        replies = list(pool.map(lambda job: send(url, *job[0], job[1]), batch))
+    for reply in replies:
+        if reply is not None:
+            check_reply(reply)
+    assert alone.status_code == 200, alone.text[:500]
+    reply = beside.result()
+    check_reply(reply)
+    if reply.status_code != 429:  # the queue may be full
+        assert reply.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
     assert engine.non_finite == [] and errors.records == []
