@@ -140,6 +140,20 @@ def test_hybrid_trees_equal_plain_greedy(hybrids, name, backend):
     assert record["trees"] > 0 and sum(record["branch_used_per_depth"]) > 0 and "fallback" not in record
 
 
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("prompt", [[40], [40, 41]])
+def test_hybrid_trees_from_a_context_shorter_than_the_convolution(hybrids, prompt, backend):
+    """The first tree after a 1- or 2-token prompt reads fewer cached convolution inputs than the
+    kernel (4) needs; the missing ones are zeros, as for a chain (a campaign found PyTorch raising
+    "the cached convolution window is shorter than the kernel" there)."""
+    path = hybrids("qwen3_5")
+    engine = load_engine({"backend": backend_config(backend), "target": {"path": str(path)}})
+    plain = engine.run(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True).token_ids
+    result = planted(path, [[prompt, plain + [0] * 8]], TREE, backend).run(prompt_ids=prompt, max_new_tokens=12,
+                                                                          ignore_eos=True)
+    assert result.token_ids == plain and result.stats.verifier["trees"] > 0
+
 def commit_of(backend: str):
     """(module, name) of the backend's Gated DeltaNet commit: (cache or layer, states, width, rows)."""
     if backend == "torch":
