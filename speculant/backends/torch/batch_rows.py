@@ -7,9 +7,7 @@ masked to their window), while a snapshot's sliding layers hold only their last 
 positions. A restored row therefore has zeros in a sliding layer's columns before those; they are
 never read, since every later query is at least ``window`` positions past them. The other way, a
 row's sliding columns are cut back to the window by the snapshot cache's own crop. Gated DeltaNet
-layers move as they are, one row of their convolution and recurrent states, the convolution's
-left-padded with zeros to the kernel's width where the target's cache holds fewer inputs (a
-context shorter than the kernel).
+layers move as they are, one row of their convolution and recurrent states.
 
 Both of the target's formats: the eager ``RollbackCache``, and the compiled path's
 ``StaticState`` (every attention layer's first rows, sliding ones laid out whole, and each Gated
@@ -42,8 +40,7 @@ def restored(batch, snapshot: CacheSnapshot, length: int):
         solo.layers = [GrowingLayer() for _ in saved]
     for index, layer in enumerate(saved):
         if isinstance(solo.layers[index], LinearAttentionCacheLayerMixin):
-            solo.layers[index] = _linear_states(solo.layers[index], *layer, length) if static else \
-                _kernel_wide(copy.deepcopy(layer))
+            solo.layers[index] = _linear_states(solo.layers[index], *layer, length) if static else copy.deepcopy(layer)
             continue
         keys, values = layer if static else (layer.keys, layer.values)  # a static layer's from position 0
         solo.layers[index].update(_placed(keys, snapshot.length, length), _placed(values, snapshot.length, length))
@@ -101,15 +98,6 @@ def _linear_states(layer, conv: torch.Tensor, recurrent: torch.Tensor, length: i
     layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
     layer.has_previous_state[0] = True
     layer.cumulative_length_linear = torch.tensor(length, dtype=layer.cumulative_length_linear.dtype)
-    return layer
-
-
-def _kernel_wide(layer):
-    """``layer`` with exactly its kernel's convolution inputs, as every batch row holds them. The
-    target's own cache records its inputs unpadded, so after a context shorter than the kernel it
-    holds fewer; the missing ones are zeros (before the sequence's start)."""
-    conv, size = layer.conv_states[0], layer.conv_kernel_size[0]
-    layer.conv_states[0] = torch.nn.functional.pad(conv, (max(0, size - int(conv.shape[-1])), 0))[..., -size:]
     return layer
 
 

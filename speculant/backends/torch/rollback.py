@@ -115,6 +115,11 @@ class RollbackCache(DynamicCache):
         chunked pass (transformers >= 5.25 would otherwise split off a token loop of its own)."""
         return 0
 
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        full = super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+        _kernel_wide(self.layers[layer_idx], state_idx)  # the forward convolves ``full``, as returned
+        return full
+
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         if self._handed is not None:
             self.block_states[layer_idx] = self._handed
@@ -138,6 +143,9 @@ class RollbackCache(DynamicCache):
             if tokens_to_remove > 0 and _has_recurrent_state(layer)
         ]
         self.crop(-tokens_to_remove)
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                _kernel_wide(layer, 0)
         for layer, states in recorded:  # after the crop, which may install a state of its own
             ROLLBACK.install(layer, states, len(states) - tokens_to_remove)
         self.block_states.clear()
@@ -154,6 +162,16 @@ class RollbackCache(DynamicCache):
 
     def _all_full_attention(self) -> bool:
         return all(type(layer).__name__ == "DynamicLayer" for layer in self.layers)
+
+
+def _kernel_wide(layer, state_idx: int) -> None:
+    """At least the kernel's convolution inputs in ``layer``: recording its past, transformers keeps
+    them unpadded, so a context shorter than the kernel left fewer, which a batch row (always the
+    kernel's) or a tree's windows cannot take. The missing ones are zeros, before the sequence's
+    start, as the convolution pads them."""
+    conv, size = layer.conv_states.get(state_idx), layer.conv_kernel_size.get(state_idx)
+    if conv is not None and size is not None and conv.shape[-1] < size:
+        layer.conv_states[state_idx] = torch.nn.functional.pad(conv, (size - conv.shape[-1], 0))
 
 
 def _keeps_history(layer) -> bool:

@@ -143,14 +143,11 @@ def tree_conv(hidden_states: torch.Tensor, weight: torch.Tensor, bias, activatio
               parents: Sequence[int]) -> torch.Tensor:
     """The depthwise causal convolution over ``hidden_states`` [B, C, cached + T] where the last T
     columns are tree nodes: node ``i``'s window is its ancestors' columns, then the cached ones.
-    Returns [B, C, cached + T] (the cached columns' outputs are zero; callers keep the last T).
-    Before the sequence's start the inputs are zeros, as a chain's convolution pads them: the cache
-    holds fewer than ``kernel - 1`` columns only while the context is that short."""
+    Returns [B, C, cached + T] (the cached columns' outputs are zero; callers keep the last T)."""
     nodes, kernel = len(parents), int(weight.shape[-1])
     cached = int(hidden_states.shape[-1]) - nodes
-    short = max(0, kernel - 1 - cached)
-    index = torch.as_tensor(conv_windows(parents, kernel, cached + short), device=hidden_states.device)
-    x = torch.nn.functional.pad(hidden_states.to(weight.dtype), (short, 0))[:, :, index]  # [B, C, T, K]
+    index = torch.as_tensor(conv_windows(parents, kernel, cached), device=hidden_states.device)
+    x = hidden_states.to(weight.dtype)[:, :, index]  # [B, C, T, K]
     out = (x * weight[None, :, None, :]).sum(-1)
     if bias is not None:
         out = out + bias[None, :, None]
