@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from speculant.api import load_engine  # noqa: E402
 from speculant.core.batch import BatchedTarget  # noqa: E402
 from speculant.core.loop import Loop  # noqa: E402
-from speculant.core.scheduler import Request, Scheduler  # noqa: E402
+from speculant.core.scheduler import PLAIN_AFTER, Request, Scheduler  # noqa: E402
 from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
 from test_drafter_fork import load, pairs  # noqa: E402,F401  (the fork tests' pairs: a fixture)
 
@@ -193,6 +193,31 @@ def test_a_lookup_row_without_a_copy_is_planned_as_a_plain_step(pairs):  # noqa:
     # neither prompt's end has occurred before; then the first falls into a loop (copies) while
     # the second has none yet
     assert rooms[0] == [0, 0] and [7, 0] in rooms
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookup_turned_off_in_a_batch_copies_again_once_its_request_runs_alone(pairs, backend):  # noqa: F811
+    """Where the plan keeps every row plain for ``PLAIN_AFTER`` cycles, the rows stop speculating;
+    prompt lookup on its own needs nothing the batch skipped (only tokens), so the request that
+    goes on alone after the others left takes its copies up again, its output unchanged."""
+    engine = load_engine({"backend": backend_config(backend), "target": {"path": str(pairs["dflash"][0])},
+                          "drafter": {"kind": "none", "lookup": True}})
+    prompts, budgets = [[5, 6, 7, 8, 9] * 6, [5, 6, 7, 8, 9] * 4], (80, 16)  # both loop: copies
+    want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * len(rooms)  # drafting never pays here
+    engine.batch_plan.settled = lambda live=(): True
+    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    reqs[1].key = 1
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    for request in reqs:
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    assert [emitted[0], emitted[1]] == want
+    first = reqs[0].loop.stats
+    assert first.batched_cycles >= PLAIN_AFTER and first.cache_moves >= 1  # batched, then alone
+    assert first.batch_note.startswith("decoded plainly from token") and "drafted again from token" in first.batch_note
+    assert first.lookup_steps > 0 and first.verify_steps < 80 - 16  # copies accepted, alone
+    assert "drafted again" not in (reqs[1].loop.stats.batch_note or "")
 
 
 def test_a_whole_batch_is_planned_toward_its_last_request_once_none_waits(pairs):  # noqa: F811

@@ -255,6 +255,12 @@ class Drafter(ABC):
         verifier is asked whether drafting pays; None (the default) when there is none."""
         return None
 
+    def rejoin(self, history: Sequence[int]) -> bool:
+        """Start drafting again after cycles it was not given, from ``history`` (the prompt and
+        every emitted token) alone; False (the default) where that needs the target's outputs for
+        the missed tokens."""
+        return False
+
     def propose_beside(self, request: DraftRequest, copy: Draft) -> Draft | None:
         """The drafter's own proposal for ``request`` carrying the free ``copy`` as ``branch_ids``,
         for a verifier about to build a tree (the copy becomes one of its paths); None (the

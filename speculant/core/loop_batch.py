@@ -55,6 +55,10 @@ class BatchedLoop:
         self.prefix.left_batch()
         self.verifier.batched(False)
         batch_move.out_of_batch(self.e.target, snapshot, self._context(), self.stats)
+        if not self.speculating and self.stats.batch_note and self.drafter is not None and \
+                self.drafter.rejoin([*self.prompt_ids, *self.produced]):
+            self.speculating = True  # the batch had turned drafting off (its note says why); alone it may pay
+            self.stats.batch_note = f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, alone"
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(self.e)
 

@@ -55,6 +55,14 @@ class LookupProposer(Drafter):
         if self.inner is not None:
             self.inner.prefill(prompt_ids, output, first_token_id)
 
+    def rejoin(self, history: Sequence[int]) -> bool:
+        """Lookup on its own reads only tokens: its index is rebuilt from ``history``."""
+        if self.inner is not None:
+            return False
+        self.index.reset(history)
+        self._last = None
+        return True
+
     def propose_free(self, request: DraftRequest) -> Draft | None:
         n, k = len(self.index.history), request.num_tokens
         if k < 1:
