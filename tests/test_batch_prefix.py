@@ -22,7 +22,8 @@ torch = pytest.importorskip("torch")
 
 from speculant.api import load_engine  # noqa: E402
 from speculant.core.loop import Loop  # noqa: E402
-from speculant.core.scheduler import Request, Scheduler  # noqa: E402
+from speculant.core.request import Request  # noqa: E402
+from speculant.core.scheduler import Scheduler  # noqa: E402
 from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
 
 # MLX's default on the CPU is the compiled path (static buffers, their own snapshot format), as

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from speculant.api import load_engine  # noqa: E402
 from speculant.core.batch import BatchedTarget  # noqa: E402
 from speculant.core.loop import Loop  # noqa: E402
-from speculant.core.scheduler import PLAIN_AFTER, Request, Scheduler  # noqa: E402
+from speculant.core.request import Request  # noqa: E402
+from speculant.core.scheduler import PLAIN_AFTER, Scheduler  # noqa: E402
 from speculant.testing.planted_drafter import PlantedDrafter, registry_with_planted  # noqa: E402
 from test_drafter_fork import load, pairs  # noqa: E402,F401  (the fork tests' pairs: a fixture)
 
@@ -218,6 +219,32 @@ def test_lookup_turned_off_in_a_batch_copies_again_once_its_request_runs_alone(p
     assert first.batch_note.startswith("decoded plainly from token") and "drafted again from token" in first.batch_note
     assert first.lookup_steps > 0 and first.verify_steps < 80 - 16  # copies accepted, alone
     assert "drafted again" not in (reqs[1].loop.stats.batch_note or "")
+
+
+def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(pairs):  # noqa: F811
+    """Rows stopped at three rows take their copies up again when one leaves and, at two rows, a
+    request joining would draft (BatchPlan.drafting_pays): still batched, outputs unchanged."""
+    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(pairs["dflash"][0])},
+                          "drafter": {"kind": "none", "lookup": True}})
+    prompts, budgets = [[5, 6, 7, 8, 9] * 6, [5, 6, 7, 8, 9] * 5, [5, 6, 7, 8, 9] * 4], (48, 48, 16)
+    want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    # three rows: every row plain; two: every copy verified whole
+    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * 3 if len(rooms) == 3 else list(rooms)
+    engine.batch_plan.settled = lambda live=(): True
+    engine.batch_plan.drafting_pays = lambda rows, room, live=(): rows <= 1
+    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    scheduler, emitted = Scheduler(engine, max_batch=3), {}
+    for key, request in enumerate(reqs):
+        request.key = key
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    assert [emitted[i] for i in range(3)] == want
+    for request in reqs[:2]:
+        stats = request.loop.stats
+        assert stats.batch_note.startswith("decoded plainly"), stats.batch_note  # joined plain, or stopped
+        assert "drafted again from token" in stats.batch_note and "beside 1 other requests" in stats.batch_note
+        assert stats.lookup_steps > 0 and stats.cache_moves == 0  # copies verified in the batch
+    assert "drafted again" not in reqs[2].loop.stats.batch_note
 
 
 def test_a_whole_batch_is_planned_toward_its_last_request_once_none_waits(pairs):  # noqa: F811

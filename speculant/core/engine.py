@@ -19,7 +19,8 @@ from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.prefix_disk import prefix_store
 from speculant.core.problems import Report
-from speculant.core.scheduler import Request, Scheduler
+from speculant.core.request import Request
+from speculant.core.scheduler import Scheduler
 from speculant.core.schema import error_lines
 from speculant.core.types import Capture, Chunk
 from speculant.core.validator import sampling_problems

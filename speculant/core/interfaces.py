@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
     from speculant.core.batch import BatchedTarget
     from speculant.core.tree import DraftTree
-
     from speculant.core.config import BackendConfig, DrafterConfig, EngineConfig, VerifierConfig
     from speculant.core.prefix_cache import CacheSnapshot
     from speculant.core.problems import Problem
@@ -49,8 +48,7 @@ class TargetModel(ABC):
 
     info: TargetInfo
     tokenizer: Any  # a Hugging Face tokenizer (or compatible: encode/decode/apply_chat_template)
-    # What runs compiled, or why the forwards stay eager (copied into each request's stats).
-    fast_path: str = "eager"
+    fast_path: str = "eager"  # what runs compiled, or why the forwards stay eager (copied into each request's stats)
 
     @property
     @abstractmethod
@@ -87,12 +85,10 @@ class TargetModel(ABC):
         """Compile every verify width up to ``block_size``, and trees of ``tree_sizes`` nodes, before any request."""
 
     def greedy_steps(self, anchor_id: int) -> "Iterator[int] | None":
-        """Optional fast path for plain greedy decoding: from ``anchor_id`` (the last token, not yet in
-        the cache), yield the target's argmax tokens one at a time, each fed back on the device so the
-        next step can be queued before the host reads this one. Like the verifiers, it raises
-        :class:`~speculant.core.errors.NonFiniteLogitsError` when a step's largest logit is not finite.
-        The engine closes the iterator when the request ends and then crops the cache. None (the
-        default) when the backend has no such path."""
+        """Optional fast path for plain greedy decoding: from ``anchor_id`` (not yet cached), yield the
+        target's argmax tokens one at a time, each fed back on the device so the next step is queued
+        before the host reads this one; raises NonFiniteLogitsError on a non-finite largest logit, as
+        the verifiers do. The engine closes it when the request ends, then crops. None: no such path."""
         return None
 
     @abstractmethod
@@ -256,9 +252,7 @@ class Drafter(ABC):
         return None
 
     def rejoin(self, history: Sequence[int]) -> bool:
-        """Start drafting again after cycles it was not given, from ``history`` (the prompt and
-        every emitted token) alone; False (the default) where that needs the target's outputs for
-        the missed tokens."""
+        """Draft again from ``history`` (prompt, emitted tokens) after cycles it was not given (False: can't)."""
         return False
 
     def propose_beside(self, request: DraftRequest, copy: Draft) -> Draft | None:

@@ -55,12 +55,22 @@ class BatchedLoop:
         self.prefix.left_batch()
         self.verifier.batched(False)
         batch_move.out_of_batch(self.e.target, snapshot, self._context(), self.stats)
-        if not self.speculating and self.stats.batch_note and self.drafter is not None and \
-                self.drafter.rejoin([*self.prompt_ids, *self.produced]):
-            self.speculating = True  # the batch had turned drafting off (its note says why); alone it may pay
-            self.stats.batch_note = f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, alone"
+        self.rejoin("alone")
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(self.e)
+
+    def stopped_by_batch(self) -> bool:
+        """Whether the batch turned this request's drafting off (its note says why) and it has a drafter."""
+        return not self.speculating and bool(self.stats.batch_note) and self.drafter is not None
+
+    def rejoin(self, where: str) -> bool:
+        """Draft again after the batch turned drafting off, where the drafter needs only the
+        tokens (``Drafter.rejoin``; one that reads hidden states would need the skipped ones)."""
+        if not self.stopped_by_batch() or not self.drafter.rejoin([*self.prompt_ids, *self.produced]):
+            return False
+        self.speculating, self.plain_streak = True, 0
+        self.stats.batch_note = f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, {where}"
+        return True
 
     def _context(self) -> list[int]:
         """What the caches hold between cycles: the prompt and the emitted tokens but the last (the next anchor)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterator
 from speculant.core.arrays import fetch_rows
 from speculant.core.batch_plan import EXPLORE_EVERY
 from speculant.core.errors import GenerationError
-from speculant.core.text import StreamDecoder
+from speculant.core.request import Request
 from speculant.core.tree import kept_rows
 from speculant.core.tree_cycle import accept_tree
 from speculant.core.types import Capture, Chunk
@@ -34,35 +34,6 @@ if TYPE_CHECKING:
 
 ALONE_AFTER = 32  # the last request of a batch with this many tokens to go moves back onto the target's own cache
 PLAIN_AFTER = 4  # when every batched request was planned plain this many cycles in a row, they stop speculating
-
-
-class Request:
-    """One request in the scheduler: its loop (the sequence's state) and its text stream."""
-
-    def __init__(self, loop: "Loop", stop_strings, key: object = None) -> None:
-        self.loop = loop
-        self.key = key if key is not None else id(self)
-        self.decoder = StreamDecoder(loop.e.tokenizer, stop_strings)
-        self.error: BaseException | None = None
-        self._final: Chunk | None = None
-
-    def chunk(self, new_ids: list[int]) -> Chunk | None:
-        """The text of ``new_ids``, cut where a stop string ended (the request then stops)."""
-        text, hit = self.decoder.feed(new_ids)
-        if hit is not None:
-            self.loop.stop("stop_string")
-            kept = self.decoder.token_count_for_stop()
-            self.loop.truncate(kept)
-            new_ids = new_ids[: max(0, len(new_ids) - (self.decoder.total_tokens - kept))]
-        return Chunk(text, list(new_ids)) if text or new_ids else None
-
-    def final(self) -> Chunk:
-        """The last chunk: the text still held back, the finish reason, the stats (once)."""
-        if self._final is None:
-            self.loop.finish()
-            stats = self.loop.stats
-            self._final = Chunk(self.decoder.flush(), [], stats.stop_reason, stats, self.error)
-        return self._final
 
 
 class Scheduler:
@@ -348,6 +319,14 @@ class Scheduler:
                                          f"beside {len(loops) - 1} other requests")
         return limits
 
+    def _rejoin_at_this_load(self) -> None:
+        """Rows the batch turned plain draft again where, with fewer rows now, a request joining
+        would draft (BatchPlan.drafting_pays) and their drafter needs only tokens (prompt lookup)."""
+        for loop in (r.loop for r in self.live if r.loop.stopped_by_batch()):
+            others = [r.loop.stats for r in self.live if r.loop is not loop]
+            if self.plan.drafting_pays(len(others), loop._room(loop.position), others):
+                loop.rejoin(f"beside {len(others)} other requests" if others else "alone")
+
     def _maybe_alone(self) -> None:
         """The last request of a batch with tokens still to go moves back onto the target's own
         cache (its fast paths): a copy of its row, or one prefill of its context where the
@@ -379,6 +358,7 @@ class Scheduler:
             leaving = [request.key for request in requests if request.key in self.rows.keys]
             if leaving:
                 self.rows.leave_many(leaving)
+                self._rejoin_at_this_load()
             if not self.rows.keys and not self.prefilling and not self._joining:
                 self.rows = None  # the next request alone runs on the target's own cache again
         for request, final in zip(requests, finals):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from speculant.core.metrics import GenerationStats
-from speculant.core.scheduler import Request, Scheduler
+from speculant.core.request import Request
+from speculant.core.scheduler import Scheduler
 from speculant.core.types import Chunk
 from speculant.serve import DEFAULT_MAX_BATCH
 from speculant.serve.schemas import ApiError, client_left

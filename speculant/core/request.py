@@ -1,0 +1,40 @@
+"""A request in the scheduler (core/scheduler.py): its loop and the text stream it sends."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from speculant.core.text import StreamDecoder
+from speculant.core.types import Chunk
+
+if TYPE_CHECKING:
+    from speculant.core.loop import Loop
+
+
+class Request:
+    """One request in the scheduler: its loop (the sequence's state) and its text stream."""
+
+    def __init__(self, loop: "Loop", stop_strings, key: object = None) -> None:
+        self.loop = loop
+        self.key = key if key is not None else id(self)
+        self.decoder = StreamDecoder(loop.e.tokenizer, stop_strings)
+        self.error: BaseException | None = None
+        self._final: Chunk | None = None
+
+    def chunk(self, new_ids: list[int]) -> Chunk | None:
+        """The text of ``new_ids``, cut where a stop string ended (the request then stops)."""
+        text, hit = self.decoder.feed(new_ids)
+        if hit is not None:
+            self.loop.stop("stop_string")
+            kept = self.decoder.token_count_for_stop()
+            self.loop.truncate(kept)
+            new_ids = new_ids[: max(0, len(new_ids) - (self.decoder.total_tokens - kept))]
+        return Chunk(text, list(new_ids)) if text or new_ids else None
+
+    def final(self) -> Chunk:
+        """The last chunk: the text still held back, the finish reason, the stats (once)."""
+        if self._final is None:
+            self.loop.finish()
+            stats = self.loop.stats
+            self._final = Chunk(self.decoder.flush(), [], stats.stop_reason, stats, self.error)
+        return self._final
