@@ -9,7 +9,10 @@ batched cycles and trees verified per run, and whether both arms' tokens are ide
 be: printed loudly, exit 1, if not). One warm-up of each arm before timing.
 
     python benchmarks/batch_trees.py [--backend torch|mlx] [--config FILE] [--concurrency 2,4]
-        [--budget 16] [--max-new-tokens 96] [--repeats 3] [--threads 2]
+        [--budget 16] [--max-new-tokens 96] [--repeats 3] [--threads 2] [--plan on|off]
+
+With ``--plan off`` no batch plan narrows the rows (each drafts its whole room), so which cycles
+verify trees depends on the tokens alone, not on this host's timings (the smoke test's setting).
 
 The default pair is the shipped one with DFlash2 (a drafter whose per-position distributions the
 trees are built from; the default pair SmolLM2 ships none yet).
@@ -42,6 +45,7 @@ def engines_for(args: argparse.Namespace) -> dict:
     for arm, verifier in ARMS.items():
         options = {"budget": args.budget} if arm == "tree" else {}
         engines[arm] = load_engine({**base, "verifier": {**verifier, "options": options}})
+        engines[arm].batch_plan.enabled = args.plan == "on"
     return engines
 
 
@@ -80,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
+    parser.add_argument("--plan", choices=("on", "off"), default="on",
+                        help="off: no batch plan, every row drafts its whole room (no timing decides a width)")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     if min(levels + [args.budget, args.max_new_tokens, args.repeats]) < 1:
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     engines = engines_for(args)
     print(f"{args.backend} / {args.config or 'shipped pair, DFlash2'}: commit {commit()}, threads {args.threads}, "
-          f"budget {args.budget}, {args.max_new_tokens} new tokens, {args.repeats} repeats", flush=True)
+          f"budget {args.budget}, {args.max_new_tokens} new tokens, {args.repeats} repeats, plan {args.plan}", flush=True)
     return 0 if all([measure(engines, c, args) for c in levels]) else 1
 
 
