@@ -169,3 +169,12 @@ def test_tree_expected_benchmark_reports_paired_expected_acceptance():
     probs /= probs.sum(axis=1, keepdims=True)
     drawn = np.mean([tree_verify(NP, TREE, logits, SamplingParams(temperature=1.0), rng).accepted for _ in range(20000)])
     assert abs(expected_drafts(TREE, probs, list(range(TREE.size))) - drawn) < 0.02
+
+
+def test_batch_long_benchmark_runs_a_long_request_beside_short_ones():
+    """benchmarks/batch_long.py on the tiny pair (smoke size): both arms batched, every request equal
+    to its single-stream run (or it exits 1), the long request's drafting reported."""
+    out = run("benchmarks/batch_long.py", "--pair", "tiny", "--concurrency", "3", "--long", "40",
+              "--max-new-tokens", "8", "--repeats", "1")
+    assert "the first 40 new tokens, the others 8" in out and "spec / plain" in out and "!!!" not in out, out
+    assert "long request: " in out and "lookup cycles" in out, out
