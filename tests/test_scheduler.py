@@ -221,10 +221,11 @@ def test_lookup_turned_off_in_a_batch_copies_again_once_its_request_runs_alone(p
     assert "drafted again" not in (reqs[1].loop.stats.batch_note or "")
 
 
-def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(pairs):  # noqa: F811
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(pairs, backend):  # noqa: F811
     """Rows stopped at three rows take their copies up again when one leaves and, at two rows, a
     request joining would draft (BatchPlan.drafting_pays): still batched, outputs unchanged."""
-    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(pairs["dflash"][0])},
+    engine = load_engine({"backend": backend_config(backend), "target": {"path": str(pairs["dflash"][0])},
                           "drafter": {"kind": "none", "lookup": True}})
     prompts, budgets = [[5, 6, 7, 8, 9] * 6, [5, 6, 7, 8, 9] * 5, [5, 6, 7, 8, 9] * 4], (48, 48, 16)
     want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
