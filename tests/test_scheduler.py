@@ -222,6 +222,30 @@ def test_lookup_turned_off_in_a_batch_copies_again_once_its_request_runs_alone(p
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "mtp"])
+def test_a_drafter_turned_off_in_a_batch_drafts_again_alone_after_a_capturing_prefill(pairs, kind, backend):  # noqa: F811
+    """A drafter that reads hidden states missed them while the batch kept it off; the request that
+    goes on alone captures them in one prefill of its context and drafts again, its output unchanged."""
+    engine, prompts = load(pairs, kind, backend)
+    budgets = (80, 16)
+    want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * len(rooms)  # drafting never pays here
+    engine.batch_plan.settled = lambda live=(): True
+    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    for key, request in enumerate(reqs):
+        request.key = key
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    assert [emitted[0], emitted[1]] == want
+    first = reqs[0].loop.stats
+    assert first.batch_note.startswith("decoded plainly from token") and "after a prefill of its" in first.batch_note
+    assert first.cache_moves >= 1 and sum(first.submitted_per_position) > 0  # drafted alone
+    if kind != "dflash2":  # (this tiny DFlash2 draft is accepted nowhere, alone either)
+        assert max(first.acceptance_lengths) > 1, first.acceptance_lengths  # its drafts accepted again
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(pairs, backend):  # noqa: F811
     """Rows stopped at three rows take their copies up again when one leaves and, at two rows, a
     request joining would draft (BatchPlan.drafting_pays): still batched, outputs unchanged."""
