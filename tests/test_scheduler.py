@@ -245,6 +245,27 @@ def test_a_drafter_turned_off_in_a_batch_drafts_again_alone_after_a_capturing_pr
         assert max(first.acceptance_lengths) > 1, first.acceptance_lengths  # its drafts accepted again
 
 
+def test_a_request_past_its_drafting_context_stays_plain_alone(pairs):  # noqa: F811
+    """Past the verifier's ``max_context`` a request decodes plainly: going on alone after the batch
+    turned its drafter off, it does not capture hidden states again for a drafter it will not use."""
+    target, drafter, prompts = pairs["dflash"]
+    engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(target)}, "drafter": drafter,
+                          "verifier": {"kind": "adaptive", "options": {"max_context": 40}}})
+    want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, (80, 16))]
+    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * len(rooms)
+    engine.batch_plan.settled = lambda live=(): True
+    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, (80, 16))]
+    scheduler, emitted = Scheduler(engine, max_batch=2), {}
+    for key, request in enumerate(reqs):
+        request.key = key
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    assert [emitted[0], emitted[1]] == want
+    first = reqs[0].loop.stats
+    assert first.cache_moves >= 1 and first.batch_note.startswith("decoded plainly")
+    assert "drafted again" not in first.batch_note and sum(first.submitted_per_position) == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(pairs, backend):  # noqa: F811
     """Rows stopped at three rows take their copies up again when one leaves and, at two rows, a

@@ -67,8 +67,10 @@ class BatchedLoop:
         self.trees = self.speculating and trees_allowed(self.e)
 
     def stopped_by_batch(self) -> bool:
-        """Whether the batch turned this request's drafting off (its note says why) and it has a drafter."""
-        return not self.speculating and bool(self.stats.batch_note) and self.drafter is not None
+        """Whether the batch turned this request's drafting off (its note says why), it has a drafter,
+        and its context is short enough to draft (the verifier's ``max_context``)."""
+        return not self.speculating and bool(self.stats.batch_note) and self.drafter is not None and \
+            (self.limit is None or self.position < self.limit)
 
     def rejoin(self, where: str) -> bool:
         """Draft again after the batch turned drafting off, where the drafter needs only the
