@@ -267,11 +267,14 @@ def test_a_request_past_its_drafting_context_stays_plain_alone(pairs):  # noqa: 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(pairs, backend):  # noqa: F811
-    """Rows stopped at three rows take their copies up again when one leaves and, at two rows, a
-    request joining would draft (BatchPlan.drafting_pays): still batched, outputs unchanged."""
+@pytest.mark.parametrize("kind", ["lookup", "dflash"])
+def test_a_drafter_turned_off_in_a_batch_drafts_again_when_fewer_rows_make_it_pay(pairs, kind, backend):  # noqa: F811
+    """Rows stopped at three rows draft again when one leaves and, at two rows, a request joining
+    would draft (BatchPlan.drafting_pays): still batched, outputs unchanged. Prompt lookup from the
+    tokens; DFlash after a prefill of its context that captures the hidden states it missed."""
+    drafter = {"kind": "none", "lookup": True} if kind == "lookup" else pairs["dflash"][1]
     engine = load_engine({"backend": backend_config(backend), "target": {"path": str(pairs["dflash"][0])},
-                          "drafter": {"kind": "none", "lookup": True}})
+                          "drafter": drafter})
     prompts, budgets = [[5, 6, 7, 8, 9] * 6, [5, 6, 7, 8, 9] * 5, [5, 6, 7, 8, 9] * 4], (48, 48, 16)
     want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
     # three rows: every row plain; two: every copy verified whole
@@ -289,7 +292,10 @@ def test_lookup_turned_off_in_a_batch_copies_again_when_fewer_rows_make_it_pay(p
         stats = request.loop.stats
         assert stats.batch_note.startswith("decoded plainly"), stats.batch_note  # joined plain, or stopped
         assert "drafted again from token" in stats.batch_note and "beside 1 other requests" in stats.batch_note
-        assert stats.lookup_steps > 0 and stats.cache_moves == 0  # copies verified in the batch
+        assert ("after a prefill" in stats.batch_note) == (kind == "dflash")
+        drafted = stats.lookup_steps if kind == "lookup" else sum(stats.submitted_per_position)
+        assert drafted > 0 and stats.cache_moves == 0  # drafts verified in the batch
+        assert max(stats.acceptance_lengths) > 1, stats.acceptance_lengths
     assert "drafted again" not in reqs[2].loop.stats.batch_note
 
 

@@ -60,8 +60,7 @@ class BatchedLoop:
         (core/batch_move.py); drafting ahead and trees may resume."""
         self.prefix.left_batch()
         self.verifier.batched(False)
-        if not self.rejoin("alone"):
-            self._recapture()
+        self.rejoin("alone")
         batch_move.out_of_batch(self.e.target, snapshot, self._context(), self.stats)
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(self.e)
@@ -73,26 +72,23 @@ class BatchedLoop:
             (self.limit is None or self.position < self.limit)
 
     def rejoin(self, where: str) -> bool:
-        """Draft again after the batch turned drafting off, where the drafter needs only the
-        tokens (``Drafter.rejoin``; one that reads hidden states would need the skipped ones)."""
-        if not self.stopped_by_batch() or not self.drafter.rejoin([*self.prompt_ids, *self.produced]):
+        """Draft again after the batch turned drafting off, where the tokens left are worth it: a
+        drafter that needs only the tokens from them (``Drafter.rejoin``), one that reads the
+        target's hidden states (DFlash, MTP) from one prefill of the context that captures them,
+        run on the target's own cache (unused while batched; restored from the row when alone)."""
+        if not self.stopped_by_batch():
             return False
+        context, left, how = self._context(), self.max_new - len(self.produced), ""
+        if not self.drafter.rejoin([*context, self.produced[-1]]):
+            if len(context) > RECAPTURE_CONTEXT * left:
+                return False
+            target = self.e.target
+            target.reset()
+            self.drafter.prefill(context, target.prefill(context, self.drafter.info.capture), self.produced[-1])
+            target.reset()
+            how = f", after a prefill of its {len(context)} tokens"
         self.speculating, self.plain_streak = True, 0
-        self.stats.batch_note = f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, {where}"
-        return True
-
-    def _recapture(self) -> bool:
-        """A drafter that reads the target's hidden states (DFlash, MTP), turned off by the batch,
-        starts again alone from one prefill of the context that captures them, where the tokens
-        left are worth it; the target's cache is then restored from its row as before."""
-        context, left = self._context(), self.max_new - len(self.produced)
-        if not self.stopped_by_batch() or len(context) > RECAPTURE_CONTEXT * left:
-            return False
-        self.e.target.reset()
-        self.drafter.prefill(context, self.e.target.prefill(context, self.drafter.info.capture), self.produced[-1])
-        self.speculating, self.plain_streak = True, 0
-        self.stats.batch_note = (f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, alone, "
-                                 f"after a prefill of its {len(context)} tokens")
+        self.stats.batch_note = f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, {where}{how}"
         return True
 
     def _context(self) -> list[int]:

@@ -321,7 +321,7 @@ class Scheduler:
 
     def _rejoin_at_this_load(self) -> None:
         """Rows the batch turned plain draft again where, with fewer rows now, a request joining
-        would draft (BatchPlan.drafting_pays) and their drafter needs only tokens (prompt lookup)."""
+        would draft (BatchPlan.drafting_pays), as Loop.rejoin allows."""
         for loop in (r.loop for r in self.live if r.loop.stopped_by_batch()):
             others = [r.loop.stats for r in self.live if r.loop is not loop]
             if self.plan.drafting_pays(len(others), loop._room(loop.position), others):
