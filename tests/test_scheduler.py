@@ -62,6 +62,25 @@ def drain(events, emitted: dict) -> None:
         emitted.setdefault(request.key, []).extend(chunk.token_ids)
 
 
+def forced_plain(engine, limits=None) -> None:
+    """The batch plan keeps every row plain (or gives ``limits``), its evidence settled: the rows
+    stop speculating after ``PLAIN_AFTER`` cycles, as where drafting does not pay at a load."""
+    engine.batch_plan.limits = limits or (lambda rooms, stats, left=None: [0] * len(rooms))
+    engine.batch_plan.settled = lambda live=(): True
+
+
+def run_together(engine, prompts, budgets) -> tuple[list[Request], list[list[int]]]:
+    """``prompts``, each with its own budget, started together in one scheduler: the requests and
+    the tokens each emitted."""
+    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
+    scheduler, emitted = Scheduler(engine, max_batch=len(reqs)), {}
+    for key, request in enumerate(reqs):
+        request.key = key
+        scheduler.add(request)
+    drain(scheduler.run(), emitted)
+    return reqs, [emitted.get(i, []) for i in range(len(reqs))]
+
+
 @pytest.fixture(scope="module")
 def plain_tokens(family):
     cache = {}
@@ -205,15 +224,9 @@ def test_lookup_turned_off_in_a_batch_copies_again_once_its_request_runs_alone(p
                           "drafter": {"kind": "none", "lookup": True}})
     prompts, budgets = [[5, 6, 7, 8, 9] * 6, [5, 6, 7, 8, 9] * 4], (80, 16)  # both loop: copies
     want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
-    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * len(rooms)  # drafting never pays here
-    engine.batch_plan.settled = lambda live=(): True
-    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
-    reqs[1].key = 1
-    scheduler, emitted = Scheduler(engine, max_batch=2), {}
-    for request in reqs:
-        scheduler.add(request)
-    drain(scheduler.run(), emitted)
-    assert [emitted[0], emitted[1]] == want
+    forced_plain(engine)
+    reqs, emitted = run_together(engine, prompts, budgets)
+    assert emitted == want
     first = reqs[0].loop.stats
     assert first.batched_cycles >= PLAIN_AFTER and first.cache_moves >= 1  # batched, then alone
     assert first.batch_note.startswith("decoded plainly from token") and "drafted again from token" in first.batch_note
@@ -229,15 +242,9 @@ def test_a_drafter_turned_off_in_a_batch_drafts_again_alone_after_a_capturing_pr
     engine, prompts = load(pairs, kind, backend)
     budgets = (80, 16)
     want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
-    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * len(rooms)  # drafting never pays here
-    engine.batch_plan.settled = lambda live=(): True
-    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
-    scheduler, emitted = Scheduler(engine, max_batch=2), {}
-    for key, request in enumerate(reqs):
-        request.key = key
-        scheduler.add(request)
-    drain(scheduler.run(), emitted)
-    assert [emitted[0], emitted[1]] == want
+    forced_plain(engine)
+    reqs, emitted = run_together(engine, prompts, budgets)
+    assert emitted == want
     first = reqs[0].loop.stats
     assert first.batch_note.startswith("decoded plainly from token") and "after a prefill of its" in first.batch_note
     assert first.cache_moves >= 1 and sum(first.submitted_per_position) > 0  # drafted alone
@@ -252,15 +259,9 @@ def test_a_request_past_its_drafting_context_stays_plain_alone(pairs):  # noqa: 
     engine = load_engine({"backend": backend_config("torch"), "target": {"path": str(target)}, "drafter": drafter,
                           "verifier": {"kind": "adaptive", "options": {"max_context": 40}}})
     want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, (80, 16))]
-    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * len(rooms)
-    engine.batch_plan.settled = lambda live=(): True
-    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, (80, 16))]
-    scheduler, emitted = Scheduler(engine, max_batch=2), {}
-    for key, request in enumerate(reqs):
-        request.key = key
-        scheduler.add(request)
-    drain(scheduler.run(), emitted)
-    assert [emitted[0], emitted[1]] == want
+    forced_plain(engine)
+    reqs, emitted = run_together(engine, prompts, (80, 16))
+    assert emitted == want
     first = reqs[0].loop.stats
     assert first.cache_moves >= 1 and first.batch_note.startswith("decoded plainly")
     assert "drafted again" not in first.batch_note and sum(first.submitted_per_position) == 0
@@ -277,17 +278,11 @@ def test_a_drafter_turned_off_in_a_batch_drafts_again_when_fewer_rows_make_it_pa
                           "drafter": drafter})
     prompts, budgets = [[5, 6, 7, 8, 9] * 6, [5, 6, 7, 8, 9] * 5, [5, 6, 7, 8, 9] * 4], (48, 48, 16)
     want = [solo(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
-    # three rows: every row plain; two: every copy verified whole
-    engine.batch_plan.limits = lambda rooms, stats, left=None: [0] * 3 if len(rooms) == 3 else list(rooms)
-    engine.batch_plan.settled = lambda live=(): True
+    # three rows: every row plain; two: every draft verified whole
+    forced_plain(engine, lambda rooms, stats, left=None: [0] * 3 if len(rooms) == 3 else list(rooms))
     engine.batch_plan.drafting_pays = lambda rows, room, live=(): rows <= 1
-    reqs = [requests(engine, [p], new=n)[0] for p, n in zip(prompts, budgets)]
-    scheduler, emitted = Scheduler(engine, max_batch=3), {}
-    for key, request in enumerate(reqs):
-        request.key = key
-        scheduler.add(request)
-    drain(scheduler.run(), emitted)
-    assert [emitted[i] for i in range(3)] == want
+    reqs, emitted = run_together(engine, prompts, budgets)
+    assert emitted == want
     for request in reqs[:2]:
         stats = request.loop.stats
         assert stats.batch_note.startswith("decoded plainly"), stats.batch_note  # joined plain, or stopped
