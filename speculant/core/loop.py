@@ -68,6 +68,7 @@ class Loop(BatchedLoop):
         self._stop_reason: str | None = None
         self._t0, self._t_first, self._finished = time.perf_counter(), None, False
         self.plain_streak = 0  # batched cycles in a row the scheduler's plan gave no drafts
+        self.batch_stopped = False  # the batch turned drafting off (BatchedLoop.stop_for_batch)
         self.batched = False  # verified in a batch (core/scheduler.py) rather than on the target's own cache
         self.limit = limit = engine.verifier.max_context  # from this context on the request decodes plainly
         self.timed = engine.time_phases or engine.verifier.needs_timings

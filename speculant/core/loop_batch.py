@@ -65,11 +65,16 @@ class BatchedLoop:
         self.draft_ahead = self.speculating and self._may_draft_ahead()
         self.trees = self.speculating and trees_allowed(self.e)
 
+    def stop_for_batch(self, note: str) -> None:
+        """The batch turns this request's drafting off (``note``, in its stats, says why) until
+        :meth:`rejoin`."""
+        self.speculating, self.batch_stopped = False, True
+        self.stats.batch_note = note
+
     def stopped_by_batch(self) -> bool:
-        """Whether the batch turned this request's drafting off (its note says why), it has a drafter,
-        and its context is short enough to draft (the verifier's ``max_context``)."""
-        return not self.speculating and bool(self.stats.batch_note) and self.drafter is not None and \
-            (self.limit is None or self.position < self.limit)
+        """Whether the batch turned this request's drafting off and its context is still short
+        enough to draft (the verifier's ``max_context``)."""
+        return self.batch_stopped and (self.limit is None or self.position < self.limit)
 
     def rejoin(self, where: str) -> bool:
         """Draft again after the batch turned drafting off, where the tokens left are worth it: a
@@ -87,7 +92,7 @@ class BatchedLoop:
             self.drafter.prefill(context, target.prefill(context, self.drafter.info.capture), self.produced[-1])
             target.reset()
             how = f", after a prefill of its {len(context)} tokens"
-        self.speculating, self.plain_streak = True, 0
+        self.speculating, self.batch_stopped, self.plain_streak = True, False, 0
         self.stats.batch_note = f"{self.stats.batch_note}; drafted again from token {len(self.produced)}, {where}{how}"
         return True
 

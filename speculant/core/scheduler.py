@@ -155,8 +155,7 @@ class Scheduler:
         for request in requests:
             loop = request.loop
             if not loop.produced and loop.speculating and not self._worth_drafting(loop):
-                loop.speculating = False
-                loop.stats.batch_note = f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests"
+                loop.stop_for_batch(f"decoded plainly: drafting did not pay beside {len(self.live) - 1} other requests")
             join = loop.planned_join(self.rows, request.key)
             if join is None:  # one that ran alone, or a prompt storing a checkpoint on its way
                 yield from self._started(request, lambda: loop.into_batch(self.rows, request.key, self._capture()))
@@ -314,9 +313,8 @@ class Scheduler:
         if speculating and all(loop.plain_streak >= PLAIN_AFTER for loop in speculating) and \
                 self.plan.settled([loop.stats for loop in loops]):
             for loop in speculating:
-                loop.speculating = False
-                loop.stats.batch_note = (f"decoded plainly from token {len(loop.produced)}: drafting did not pay "
-                                         f"beside {len(loops) - 1} other requests")
+                loop.stop_for_batch(f"decoded plainly from token {len(loop.produced)}: drafting did not pay "
+                                    f"beside {len(loops) - 1} other requests")
         return limits
 
     def _rejoin_at_this_load(self) -> None:
