@@ -65,6 +65,19 @@ def _timings(request, tmp_path_factory):
         yield
 
 
+@pytest.fixture
+def fixed_loop_clock(monkeypatch):
+    """The engine loop's clock ticks 1 ms a reading, so choices made from measured costs (the tree
+    verifier's, the adaptive verifier's) are fixed by the tokens, not by this machine's load."""
+    import itertools
+    import types
+
+    from speculant.core import loop
+
+    ticks = itertools.count()
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+
+
 @pytest.fixture(scope="session")
 def torch_threads():
     torch = pytest.importorskip("torch")

@@ -131,7 +131,7 @@ def test_adaptive_with_trees_equals_plain_greedy(real_pair, backend):
     assert min(chosen.values()) >= 1 and trees > 0, record
 
 
-def test_adaptive_tree_cycles_follow_the_target_at_temperature_0_8(real_pair, monkeypatch):
+def test_adaptive_tree_cycles_follow_the_target_at_temperature_0_8(real_pair, fixed_loop_clock):
     """The first cycle after the prompt's first token (sampled plainly) is a chain or a tree, as the
     choice says; over the runs where it was a tree, its first token must fit the target's
     distribution at temperature 0.8 given each run's first token (and likewise for chains).
@@ -139,16 +139,10 @@ def test_adaptive_tree_cycles_follow_the_target_at_temperature_0_8(real_pair, mo
     The loop's clock ticks 1 ms a reading, so the choice (from the measured costs) and with it
     every run is fixed by the seeds: with wall-clock costs the arms changed from run to run and
     the test failed at the chi-square's loose tail about once in 300 runs."""
-    import itertools
-    import types
-
     import transformers
 
-    from speculant.core import loop
     from stats_helpers import gof_pvalue, reference_probs
 
-    ticks = itertools.count()
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
     engine = adaptive_engine(real_pair)
     runs = []
     for seed in range(400):

@@ -140,7 +140,6 @@ def test_hybrid_trees_equal_plain_greedy(hybrids, name, backend):
     assert record["trees"] > 0 and sum(record["branch_used_per_depth"]) > 0 and "fallback" not in record
 
 
-
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("prompt", [[40], [40, 41]])
 def test_hybrid_trees_from_a_context_shorter_than_the_convolution(hybrids, prompt, backend):
@@ -153,6 +152,7 @@ def test_hybrid_trees_from_a_context_shorter_than_the_convolution(hybrids, promp
     result = planted(path, [[prompt, plain + [0] * 8]], TREE, backend).run(prompt_ids=prompt, max_new_tokens=12,
                                                                           ignore_eos=True)
     assert result.token_ids == plain and result.stats.verifier["trees"] > 0
+
 
 def commit_of(backend: str):
     """(module, name) of the backend's Gated DeltaNet commit: (cache or layer, states, width, rows)."""
@@ -327,16 +327,9 @@ def test_dflash_trees_over_mlx_compiled_static_path_equal_plain_greedy(real_pair
     assert result.stats.verifier["trees"] > 0 and "fallback" not in result.stats.verifier
 
 
-def test_a_measured_choice_between_tree_and_chain_stays_identical_to_plain(real_pair, monkeypatch):
-    """The loop's clock ticks 1 ms a reading, so which arm runs is fixed: with wall-clock costs a
-    loaded machine could price one arm's first cycle far behind and stop measuring it."""
-    import itertools
-    import types
-
-    from speculant.core import loop
-
-    ticks = itertools.count()
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+def test_a_measured_choice_between_tree_and_chain_stays_identical_to_plain(real_pair, fixed_loop_clock):
+    """On the fixed clock which arm runs is fixed: with wall-clock costs a loaded machine could
+    price one arm's first cycle far behind and stop measuring it."""
     plain = plain_tokens(real_pair["target"])
     engine = speculant.load_engine({"backend": BACKEND, "target": {"path": str(real_pair["target"])},
                                     "drafter": {"kind": "dflash", "path": str(real_pair["dflash"])},
