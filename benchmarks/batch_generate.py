@@ -21,13 +21,13 @@ difference in their speed is the machine's), and how many requests' tokens diffe
 single-stream run (spec and plain; printed loudly, must be 0).
 One warm-up of every arm before timing.
 
-    python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8 | --pair NAME]
+    python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8 [--family F] | --pair NAME]
         [--concurrency 1,4,16,32] [--max-new-tokens 64] [--repeats 3] [--threads 1] [--out FILE.json]
 
 ``--config`` takes an engine config file (default: the shipped tiny pair, its default drafter, lookup
 and verifier); ``--pair smollm2`` the default pair as ``speculant generate`` runs it (prompt lookup
 alone until its drafters ship); ``--mid H,L`` builds a random Qwen3 of hidden H x L layers with a planted DFlash
-draft (benchmarks/fast_path.py's mid pair). ``--arms single --concurrency 1`` times ``engine.run``
+draft (benchmarks/fast_path.py's mid pair; ``--family qwen3_5`` a Gated DeltaNet hybrid of that size). ``--arms single --concurrency 1`` times ``engine.run``
 alone, which also runs against older checkouts (PYTHONPATH=<old tree>) to compare the batch of
 one with the loop before the scheduler (docs/batching.md says how).
 """
@@ -83,12 +83,10 @@ def engine_config(args: argparse.Namespace, tmp: Path) -> dict:
             config["backend"]["kind"] = args.backend
         return config
     if args.mid:
-        from speculant.testing.tiny import build_tiny_dflash, build_tiny_target, plant_checkpoint
+        from fast_path import mid_pair
 
         hidden, layers = (int(x) for x in args.mid.split(","))
-        target = build_tiny_target(tmp / "target", hidden_size=hidden, num_layers=layers, max_position_embeddings=4096)
-        plant_checkpoint(target, strength=4.0, soften=0.2)
-        draft = build_tiny_dflash(tmp / "draft", target, seed=7, num_layers=2, block_size=16, scale=0.1)
+        target, draft, _ = mid_pair(tmp, hidden, layers, 1, family=args.family)
         return {"backend": {"kind": args.backend or "torch", "dtype": "float32"}, "target": {"path": str(target)},
                 "drafter": {"kind": "dflash", "path": str(draft)}, "verifier": {"kind": "adaptive"}}
     if args.pair:
@@ -99,7 +97,8 @@ def engine_config(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def describe(args: argparse.Namespace) -> str:
-    return args.config or (f"mid {args.mid}" if args.mid else f"pair {args.pair}" if args.pair else "shipped pair")
+    mid = f"mid {args.mid}" + ("" if args.family == "qwen3" else f" {args.family}")
+    return args.config or (mid if args.mid else f"pair {args.pair}" if args.pair else "shipped pair")
 
 
 def run_arm(arm: str, engines: dict, prompts: list[str], c: int, n: int) -> tuple[float, float, list]:
@@ -197,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config", metavar="FILE", help="engine config file; default: the shipped pair")
     source.add_argument("--mid", metavar="HIDDEN,LAYERS", help="a random planted Qwen3 pair of this size instead")
     source.add_argument("--pair", metavar="NAME", help="a named pair (smollm2: the default pair), its default drafter")
+    parser.add_argument("--family", default="qwen3",
+                        help="--mid: the target's family (tiny_families: qwen3_5 is a Gated DeltaNet hybrid)")
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated request counts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
