@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from speculant.core.cost_curve import curve, interpolated, read
 from speculant.core.metrics import GenerationStats
 
 PRIOR_CYCLES = 4.0  # how many cycles the pooled acceptance weighs in a request's own estimate
@@ -99,7 +100,7 @@ class BatchPlan:
         counts = {k: sum(1 for n, _ in self.draft_samples if n == k) for k, _ in self.draft_samples}
         steady = [(k, s) for k, s in self.draft_samples if counts[k] >= STEADY]
         if len({k for k, _ in steady}) >= 2:
-            return _interpolated(steady, rows)
+            return interpolated(steady, rows)
         ks, seconds = np.array([k for k, _ in self.draft_samples], float), np.array([s for _, s in self.draft_samples])
         if np.ptp(ks) > 0:
             per_row, fixed = np.polyfit(ks, seconds, 1)
@@ -134,8 +135,8 @@ class BatchPlan:
 
     def _seconds(self, rows: int, tokens: float) -> float:
         """A forward's seconds over ``tokens`` computed tokens, read off the curve of the measured
-        ones of ``rows`` rows (:func:`_read`; rarely a straight line: wider matrix products run
-        faster per token; one point: in proportion to it); of any row count while none of
+        ones of ``rows`` rows (``cost_curve.read``; rarely a straight line: wider matrix products
+        run faster per token; one point: in proportion to it); of any row count while none of
         ``rows`` is known, the fitted line while fewer than two are. (A curve mixing row counts
         read flat: after 4-row cycles of 4 and 32 tokens, 16 rows of 8 tokens were priced like 16
         rows of one, and a 16-request batch on the shipped pair drafted at a loss.)"""
@@ -143,11 +144,11 @@ class BatchPlan:
         if key not in self._memo:
             same = [(t, s) for r, t, s in self.samples if r == rows]
             data = same or [(t, s) for _, t, s in self.samples]
-            self._memo[key] = _curve(data) if same or len({t for t, _ in data}) >= 2 else None
+            self._memo[key] = curve(data) if same or len({t for t, _ in data}) >= 2 else None
         if self._memo[key] is None:
             fixed, per_token = self.cost(rows)
             return fixed + per_token * tokens
-        return _read(*self._memo[key], tokens)
+        return read(*self._memo[key], tokens)
 
     # -- the plan ----------------------------------------------------------------------------------
     def limits(self, rooms: Sequence[int], stats: Sequence[GenerationStats],
@@ -163,10 +164,12 @@ class BatchPlan:
         if not any(rooms):
             return list(rooms)
         thin = not self.settled(stats)
-        prior = self._prior(max(rooms), stats)
-        gains = [np.cumsum(self._chances(s, room, prior[:room])) if room else np.zeros(0)
-                 for s, room in zip(stats, rooms)]
-        gains = gains if left is None else self._toward_the_end(gains, left, stats)
+        counts = _counts(stats, max(rooms))
+        chances = self._chances(*counts, self._prior(max(rooms), counts=counts))
+        chances[np.arange(chances.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0  # past each row's room
+        values = np.cumsum(chances, axis=1)
+        values = values if left is None else self._toward_the_end(chances, values, rooms, left, stats)
+        gains = [v[:room] for v, room in zip(values, rooms)]
         if self.cycles >= self._explore_at or (thin and self.cycles >= max(self._explored_at + THIN_EVERY,
                                                                              self._spaced_at)):
             return self._explore(rooms, gains, thin)  # a point off the plan's line; while thin, acceptance to pool
@@ -177,8 +180,8 @@ class BatchPlan:
         self.planned_plain += limits.count(0)
         return limits
 
-    def _toward_the_end(self, gains: list[np.ndarray], left: Sequence[int],
-                        stats: Sequence[GenerationStats]) -> list[np.ndarray]:
+    def _toward_the_end(self, chances: np.ndarray, values: np.ndarray, rooms: Sequence[int],
+                        left: Sequence[int], stats: Sequence[GenerationStats]) -> np.ndarray:
         """Where the caller wants every result together (``generate_many``) and no request waits,
         the batch lasts as long as its last request: a token is worth the seconds it takes off
         that end. Each row's own tokens save its own seconds (the forward's cost of one more
@@ -189,24 +192,22 @@ class BatchPlan:
         of their chances). Gains are rescaled to the rate reading's value of a token, ``plain /
         rows``. (The default pair at 4 requests: copies accepted on rows tied for last beside
         rows with none made the batch no shorter, 0.95x plain; docs/history/batching-history.md.)"""
-        rows = len(gains)
+        rows = len(rooms)
         plain = self.seconds(rows, rows)
         if rows < 2 or not plain > 0:
-            return gains
+            return values
         own = min(max(self.seconds(rows, rows + 1) - plain, 0.0), plain / rows)
-        chances = [np.diff(g, prepend=0.0) for g in gains]  # P(at least j accepted)
-        near, spread = _may_be_last(left, stats, chances)
-        depth = max(g.size for g in gains)
-        together = np.ones(depth)  # P(every row that may be last accepts drafts 1..j)
-        for c, n, tokens in zip(chances, near, left):
-            if n:  # a row whose room holds all it has left ends once its drafts are accepted
-                after = c[-1] if c.size and c.size + 1 >= tokens else 0.0
-                together *= np.concatenate([c, np.full(depth - c.size, after)])
+        near, spread = _may_be_last(left, stats, chances)  # chances[i, j]: P(at least j + 1 accepted)
+        sizes = np.asarray(rooms)
+        # a row whose room holds all it has left ends once its drafts are accepted
+        last = chances[np.arange(rows), np.maximum(sizes - 1, 0)]
+        after = np.where((sizes > 0) & (sizes + 1 >= np.asarray(left)), last, 0.0)
+        filled = np.where(np.arange(chances.shape[1]) < sizes[:, None], chances, after[:, None])
+        together = filled[near].prod(axis=0)  # P(every row that may be last accepts drafts 1..j)
         mix = min(1.0, float(spread[near].min()))  # 1: open, 0: settled (a row that will surely end last)
         share = (plain - rows * own) / int(near.sum())
         all_gain = share * (1 - mix) * np.cumsum(together)
-        return [(own * g + (all_gain[:g.size] + share * mix * g if n else 0.0)) * rows / plain
-                for g, n in zip(gains, near)]
+        return (own * values + np.where(near[:, None], all_gain + share * mix * values, 0.0)) * rows / plain
 
     def _own_width(self, limits: Sequence[int], room: int) -> int:
         """A young request's drafts: in full, so its own acceptance is known early; but where blocks
@@ -285,11 +286,14 @@ class BatchPlan:
         rows = len(gains)
         best, best_rate = [0] * rows, rows / self.seconds(rows, rows)
         sizes = np.array([g.size for g in gains], dtype=int)
+        table = np.zeros((rows, int(sizes.max(initial=0))))  # gains[i][d - 1] at [i, d - 1]
+        for i, g in enumerate(gains):
+            table[i, :g.size] = g
         drafting = np.array([self.draft_seconds(k) for k in range(1, int(np.count_nonzero(sizes)) + 1)])
         for width in range(2, int(sizes.max(initial=0)) + 2):
             depth = np.minimum(sizes, width - 1)
             able = np.flatnonzero(depth)
-            gain = np.array([gains[i][depth[i] - 1] for i in able], dtype=float)
+            gain = table[able, depth[able] - 1]
             order = np.lexsort((-able, -gain))  # worth most first (ties: the later row first)
             rates = (rows + np.cumsum(gain[order])) / (self.seconds(rows, rows * width) + drafting[:able.size])
             k = int(np.argmax(rates))
@@ -318,41 +322,41 @@ class BatchPlan:
                 seconds += float(cost[d])
         return limits
 
-    def _chances(self, stats: GenerationStats, room: int, prior: np.ndarray) -> np.ndarray:
-        """``P(drafts 1..j accepted)`` for j = 1..room: the request's own counts with ``prior`` (the
-        pooled chances) weighing as ``PRIOR_CYCLES`` cycles."""
-        sub = np.zeros(room)
-        acc = np.zeros(room)
-        own = min(room, len(stats.submitted_per_position))
-        sub[:own], acc[:own] = stats.submitted_per_position[:own], stats.accepted_per_position[:own]
-        chances = np.minimum.accumulate((acc + PRIOR_CYCLES * prior) / (sub + PRIOR_CYCLES))
-        known = int(np.count_nonzero(sub))  # positions this request has verified (widths are prefixes)
-        if 0 < known < room:  # deeper ones: its last measured per-position rate goes on
-            before = chances[known - 2] if known > 1 else 1.0
-            ratio = chances[known - 1] / before if before > 0 else 0.0
-            deeper = chances[known - 1] * ratio ** np.arange(1, room - known + 1)
-            chances[known:] = np.maximum(chances[known:], deeper)
+    def _chances(self, submitted: np.ndarray, accepted: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """``P(drafts 1..j accepted)`` per row (one per row of the ``submitted`` and ``accepted``
+        counts, j = 1..their width): each request's own counts with ``prior`` (the pooled
+        chances) weighing as ``PRIOR_CYCLES`` cycles."""
+        chances = np.minimum.accumulate((accepted + PRIOR_CYCLES * prior) / (submitted + PRIOR_CYCLES), axis=1)
+        known = np.count_nonzero(submitted, axis=1)  # positions each request verified (widths are prefixes)
+        rows = np.flatnonzero((known > 0) & (known < chances.shape[1]))
+        if rows.size:  # deeper ones: a row's last measured per-position rate goes on
+            k, some = known[rows], chances[rows]
+            last = some[np.arange(rows.size), k - 1]
+            before = np.where(k > 1, some[np.arange(rows.size), np.maximum(k - 2, 0)], 1.0)
+            ratio = np.where(before > 0, last / np.where(before > 0, before, 1.0), 0.0)
+            steps = np.arange(chances.shape[1]) - k[:, None] + 1
+            deeper = last[:, None] * ratio[:, None] ** np.maximum(steps, 0)
+            chances[rows] = np.where(steps > 0, np.maximum(some, deeper), some)
         return chances
 
-    def _prior(self, room: int, live: Sequence[GenerationStats] = ()) -> np.ndarray:
-        """The chances pooled over finished requests and the ``live`` ones (halving per position
-        where nothing is known yet)."""
-        sub, acc = _padded(self._submitted, room), _padded(self._accepted, room)
-        for stats in live:
-            sub += _padded(stats.submitted_per_position, room)
-            acc += _padded(stats.accepted_per_position, room)
+    def _prior(self, room: int, live: Sequence[GenerationStats] = (), counts: tuple | None = None) -> np.ndarray:
+        """The chances pooled over finished requests and the ``live`` ones (or their ``counts``:
+        :func:`_counts`), halving per position where nothing is known yet."""
+        live_sub, live_acc = counts if counts is not None else _counts(live, room)
+        sub = _padded(self._submitted, room) + live_sub.sum(axis=0)
+        acc = _padded(self._accepted, room) + live_acc.sum(axis=0)
         return np.where(sub > 0, acc / np.maximum(sub, 1), 0.5 ** np.arange(1, room + 1))
 
 
-def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats], chances: list[np.ndarray]) -> tuple:
+def _may_be_last(left: Sequence[int], stats: Sequence[GenerationStats], chances: np.ndarray) -> tuple:
     """Which rows may end last, and by how many cycles each one's end is uncertain: ``n`` tokens
     left at its pace so far ``m`` take ``n / m`` cycles, give or take ``sqrt(n v / M^3)`` for the
     variance ``v`` and mean ``M`` of what a cycle drafting its room now would give (``chances``: a
     row with nothing to draft, as prompt lookup without a copy, or whose drafts are never
     accepted, surely gives one). A row is in if within one standard deviation of the most."""
     paces = np.array([max(s.mean_acceptance_length, 1.0) for s in stats])
-    mean = np.array([c.sum() for c in chances])
-    variance = np.array([float((2 * np.arange(1, c.size + 1) - 1) @ c) for c in chances]) - mean ** 2
+    mean = chances.sum(axis=1)
+    variance = chances @ (2 * np.arange(1, chances.shape[1] + 1) - 1) - mean ** 2
     cycles, spread = np.asarray(left) / paces, np.sqrt(np.asarray(left) * np.maximum(variance, 0.0) / (1 + mean) ** 3)
     last = int(np.argmax(cycles))
     return cycles + np.sqrt(spread ** 2 + spread[last] ** 2) >= cycles[last] - 1e-9, spread
@@ -362,39 +366,19 @@ def _verified(stats: GenerationStats) -> int:
     return stats.submitted_per_position[0] if stats.submitted_per_position else 0
 
 
+def _counts(stats: Sequence[GenerationStats], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's submitted and accepted drafts per position, the first ``n``, as two
+    ``rows x n`` arrays."""
+    submitted, accepted = np.zeros((len(stats), n)), np.zeros((len(stats), n))
+    for i, s in enumerate(stats):
+        k = min(n, len(s.submitted_per_position))
+        submitted[i, :k], accepted[i, :k] = s.submitted_per_position[:k], s.accepted_per_position[:k]
+    return submitted, accepted
+
+
 def _padded(values, n: int) -> np.ndarray:
     """The first ``n`` of ``values`` (a sequence of numbers), zeros after its end."""
     out = np.zeros(n)
     kept = min(n, len(values))
     out[:kept] = values[:kept]
     return out
-
-
-def _interpolated(points: Sequence[tuple[float, float]], x: float) -> float:
-    """``y(x)`` read off measured ``(x, y)`` points (at least two distinct ``x``): see :func:`_read`."""
-    return _read(*_curve(points), x)
-
-
-def _curve(points: Sequence[tuple[float, float]]) -> tuple[list[float], np.ndarray]:
-    """The distinct ``x`` of ``points`` in order and the median ``y`` at each, made non-decreasing."""
-    xs = sorted({px for px, _ in points})
-    ys = np.maximum.accumulate([float(np.median([py for px, py in points if px == at])) for at in xs])
-    return xs, ys
-
-
-def _read(xs: list[float], ys: np.ndarray, x: float) -> float:
-    """``y(x)`` on the curve: interpolated between its points, extended before them along the
-    first segment (never below the first point's ``y`` per unit of ``x``) and past them along the
-    line from the last point back to one at most half its ``x``; where none is that far back, in
-    proportion to the last point (a slope read off nearby points is noise: 15 and 16 rows of one
-    token each once priced 128 tokens like 16)."""
-    if len(xs) < 2:
-        return float(ys[0] * x / xs[0]) if xs[0] else float(ys[0])
-    if x < xs[0]:
-        slope = max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))
-        return float(max(ys[0] - slope * (xs[0] - x), ys[0] * x / xs[0]))
-    if x <= xs[-1]:
-        return float(np.interp(x, xs, ys))
-    back = [i for i, at in enumerate(xs) if at <= xs[-1] / 2]
-    slope = (ys[-1] - ys[back[-1]]) / (xs[-1] - xs[back[-1]]) if back else ys[-1] / xs[-1]
-    return float(ys[-1] + max(slope, 0.0) * (x - xs[-1]))
