@@ -22,6 +22,9 @@
 # compiled with its states recorded in the graphs), --compile auto,off, after the main run.
 # BATCH (unset): also run benchmarks/batch_generate.py on the mid pair (issue #39: speculative
 # against plain batched decoding at BATCH's comma-separated concurrencies, e.g. 1,4,16,32).
+# TREES (unset): also run benchmarks/tree_speed.py on the shipped pair (issue #40: trees against
+# fixed chains, compiled, greedy and at temperature 0.8), with TREES as its --arms
+# (e.g. chain,adaptive,adaptive_tree,tree8,tree16,tree32) over TREE_PROMPTS prompts (8).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -104,5 +107,12 @@ if [[ -n "${BATCH:-}" ]]; then
     log "batched requests at concurrency $BATCH"
     "$PY" benchmarks/batch_generate.py --mid 1536,8 --concurrency "$BATCH" --arms spec,plain,single \
         --max-new-tokens "${MAX_NEW:-64}" --repeats "${REPEATS:-3}" --solo-prompts 4
+fi
+if [[ -n "${TREES:-}" ]]; then
+    for temperature in 0 0.8; do
+        log "trees against chains at temperature $temperature"
+        "$PY" benchmarks/tree_speed.py --device "$DEVICE" --dtype "${DTYPE:-float32}" --compile "${COMPILE:-auto}" \
+            --arms "$TREES" --prompts "${TREE_PROMPTS:-8}" --temperature "$temperature" --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW:-64}"
+    done
 fi
 log "done in $(( $(date +%s) - START )) s"

@@ -40,11 +40,13 @@ def test_cpu_layouts_benchmark_prints_every_layout():
 def test_gpu_check_script_runs_its_steps_on_a_cpu(tmp_path, reference_venv):
     """benchmarks/gpu_check.sh has had no GPU to run on: its steps (the reference environment's
     check, the device check, the benchmark with the reference loop) run here on a CPU, at smoke
-    size, against the reference venv the parity tests use, with a Qwen3.5 hybrid's mid pair too."""
+    size, against the reference venv the parity tests use, with a Qwen3.5 hybrid's mid pair and
+    trees against chains (greedy and sampled) too."""
     import os
 
     ref = Path(reference_venv).parents[1]  # <venv>/bin/python
     env = {**os.environ, "SPECULANT_REF_VENV": str(ref), "XDG_CACHE_HOME": str(tmp_path), "FAMILY": "qwen3_5",
+           "TREES": "chain,tree8", "TREE_PROMPTS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--device", "cpu", "--no-install", "--small"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
@@ -55,6 +57,7 @@ def test_gpu_check_script_runs_its_steps_on_a_cpu(tmp_path, reference_venv):
     assert out.count("identical tokens across arms: True") == 3, out
     ratio = [line for line in out.splitlines() if "speculant dflash / reference dflash (tok/s)" in line]
     assert len(ratio) == 3, out
+    assert out.count('"arm": "tree8"') == 2 and '"temperature": 0.8' in out and '"greedy_mismatches": 0' in out, out
     assert not list((ref / "lib").glob("python*/site-packages/zz_speculant_torch.pth"))  # left as it was
 
 
