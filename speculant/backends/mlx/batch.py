@@ -211,7 +211,7 @@ class MLXBatch(BatchedTarget):
         try:
             # a verify records each position's Gated DeltaNet states (caches.py), a join's prefill none
             with recording(layers) if book is self.book else nullcontext(), \
-                    rows_positions(self.target.model, query_d) if branches is not None else nullcontext():
+                    rows_positions(self.target.model, query_d, self.target.attentions()) if branches is not None else nullcontext():
                 logits = self.target.model(mx.array(ids), cache=layers)
         except BaseException:
             recorder.start(Capture())  # stop recording; keep the original error

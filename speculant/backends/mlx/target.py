@@ -21,7 +21,7 @@ import mlx.nn as nn
 from speculant.backends.mlx import compiled, families, layout, prefix, split, static
 from speculant.backends.mlx.caches import DeltaCache, forget_all, install_delta_taps, recording, target_cache
 from speculant.backends.mlx.strict import checkpoint_errors
-from speculant.backends.mlx.tree import commit_path, rope_problem, tree_forward
+from speculant.backends.mlx.tree import attention_modules, commit_path, rope_problem, tree_forward
 from speculant.backends.mlx.wrapper import Wrapper
 from speculant.core.checkpoint import tokenizer_errors
 from speculant.core.errors import NonFiniteLogitsError
@@ -274,13 +274,19 @@ class MLXTarget(TargetModel):
             self._tree_problem = type(self.backend).tree_problem(self.info) or rope_problem(self.model, self.cache)
         return self._tree_problem
 
+    def attentions(self) -> list:
+        """The model's attention modules that hold a ``rope`` (tree.py swaps it during a tree forward)."""
+        if not hasattr(self, "_attentions"):
+            self._attentions = attention_modules(self.model)
+        return self._attentions
+
     def forward_tree(self, tree: DraftTree, capture: Capture = Capture()) -> ForwardOutput:
         """Every node of ``tree`` in one forward: positions and masks from tree.py."""
         forget_all(self.cache)
         if self._static is not None:
             self._static.hold(tree.size)  # a ring holds window - 1 + the tree's rows
         ids = mx.array(list(tree.tokens), dtype=mx.int32)
-        with tree_forward(self.model, self.cache, tree):
+        with tree_forward(self.model, self.cache, tree, self.attentions()):
             # eager over a static cache: a compiled trace would keep this tree's mask
             logits, features, final = self._run(ids, capture, compiled=False, record=bool(self._delta_layers))
         self._tree = tree

@@ -32,42 +32,41 @@ from speculant.core.tree import DraftTree, conv_windows, kept_rows
 
 
 class TreeRope(Wrapper):
-    """The wrapped rotary embedding applied per tree depth: nodes of depth ``d`` at ``offset + d``."""
+    """The wrapped rotary embedding applied per tree depth: nodes of depth ``d`` at ``offset + d``.
+    The nodes move to the batch axis, each a one-row sequence with its own offset, so that one
+    call rotates them all (a call per depth, then a slice per node, cost a chain of 9 as a tree
+    twice its compiled forward on the shipped pair)."""
 
     def __init__(self, module: nn.Module, depths: Sequence[int]) -> None:
         super().__init__(module)
-        self.groups = {}
-        for node, depth in enumerate(depths):
-            self.groups.setdefault(depth, []).append(node)
+        self.depths = mx.array(depths)
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        out = [None] * x.shape[-2]
-        for depth, nodes in self.groups.items():
-            rows = mx.take(x, mx.array(nodes), axis=-2)  # [B, H, n, D]: one position for all of them
-            moved = mx.swapaxes(rows, 0, -2)  # the nodes as the batch, each a one-row sequence
-            turned = mx.swapaxes(self.module(moved, offset=offset + depth), 0, -2)
-            for i, node in enumerate(nodes):
-                out[node] = turned[..., i:i + 1, :]
-        return mx.concatenate(out, axis=-2)
+        moved = mx.swapaxes(x, 0, -2)  # [nodes, H, B, D]: a batch of one-row sequences (B is 1)
+        return mx.swapaxes(self.module(moved, offset=offset + self.depths), 0, -2)
 
 
 class RowsRope(Wrapper):
-    """The wrapped rotary embedding at each batch row's own positions ``[rows, width]``, a column
-    at a time (a batch whose rows hold trees: node ``j`` of a row at its length + its depth)."""
+    """The wrapped rotary embedding at each batch row's own positions ``[rows, width]`` (a batch
+    whose rows hold trees: node ``j`` of a row at its length + its depth), every (row, column) a
+    one-row sequence of the batch axis, so that one call rotates them all."""
 
     def __init__(self, module: nn.Module, positions: mx.array) -> None:
         super().__init__(module)
         self.positions = positions
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        return mx.concatenate([self.module(x[..., j:j + 1, :], offset=self.positions[:, j])
-                               for j in range(x.shape[-2])], axis=-2)
+        rows, heads, width, dim = x.shape
+        moved = mx.transpose(x, (0, 2, 1, 3)).reshape(rows * width, heads, 1, dim)
+        turned = self.module(moved, offset=self.positions.reshape(-1))
+        return mx.transpose(turned.reshape(rows, width, heads, dim), (0, 2, 1, 3))
 
 
 @contextmanager
-def rows_positions(model: nn.Module, positions: mx.array) -> Iterator[None]:
-    """Within: ``model``'s attention rotates row ``r``'s column ``j`` at ``positions[r, j]``."""
-    attentions = _attentions(model)
+def rows_positions(model: nn.Module, positions: mx.array, attentions: list | None = None) -> Iterator[None]:
+    """Within: ``model``'s attention rotates row ``r``'s column ``j`` at ``positions[r, j]``
+    (``attentions``: its attention modules, as :func:`attention_modules` finds them)."""
+    attentions = attention_modules(model) if attentions is None else attentions
     ropes = [a["rope"] for a in attentions]
     for a, rope in zip(attentions, ropes):
         a.rope = RowsRope(rope, positions)
@@ -78,7 +77,9 @@ def rows_positions(model: nn.Module, positions: mx.array) -> Iterator[None]:
             a.rope = rope
 
 
-def _attentions(model: nn.Module) -> list[nn.Module]:
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """``model``'s modules that hold a rotary embedding as ``rope`` (a walk over every module:
+    a target keeps the list rather than walk it every tree forward)."""
     return [m for _, m in model.named_modules() if isinstance(m.get("rope") if hasattr(m, "get") else None, nn.Module)]
 
 
@@ -87,7 +88,7 @@ def rope_problem(model: nn.Module, caches: list) -> str | None:
     module whose rotary embedding is its ``rope`` (what :class:`TreeRope` replaces), or one that
     says it has none (``use_rope = False``: Muse Glimmer's full layers read no positions)."""
     without = sum(1 for _, m in model.named_modules() if getattr(m, "use_rope", None) is False)
-    attentions = len(_attentions(model)) + without
+    attentions = len(attention_modules(model)) + without
     kv = sum(1 for c in caches if hasattr(c, "keys"))
     if attentions == kv:
         return None
@@ -96,9 +97,10 @@ def rope_problem(model: nn.Module, caches: list) -> str | None:
 
 
 @contextmanager
-def tree_forward(model: nn.Module, caches: list, tree: DraftTree) -> Iterator[None]:
-    """Within: forwards of ``model`` over ``caches`` run ``tree``'s nodes (positions and masks)."""
-    attentions = _attentions(model)
+def tree_forward(model: nn.Module, caches: list, tree: DraftTree, attentions: list | None = None) -> Iterator[None]:
+    """Within: forwards of ``model`` over ``caches`` run ``tree``'s nodes (positions and masks;
+    ``attentions`` as for :func:`rows_positions`)."""
+    attentions = attention_modules(model) if attentions is None else attentions
     ropes = [a["rope"] for a in attentions]
     for a, rope in zip(attentions, ropes):
         a.rope = TreeRope(rope, tree.depths)
