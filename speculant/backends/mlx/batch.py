@@ -210,8 +210,9 @@ class MLXBatch(BatchedTarget):
         recorder.start(capture)
         try:
             # a verify records each position's Gated DeltaNet states (caches.py), a join's prefill none
-            with recording(layers) if book is self.book else nullcontext(), \
-                    rows_positions(self.target.model, query_d, self.target.attentions()) if branches is not None else nullcontext():
+            trees = nullcontext() if branches is None else \
+                rows_positions(self.target.model, query_d, self.target.attentions())
+            with recording(layers) if book is self.book else nullcontext(), trees:
                 logits = self.target.model(mx.array(ids), cache=layers)
         except BaseException:
             recorder.start(Capture())  # stop recording; keep the original error
