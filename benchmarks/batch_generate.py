@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(engines, arms, c, args))
             print_row(rows[-1])
     report = {"backend": config["backend"]["kind"], "pair": describe(args),
+              "layer_types": sorted(set(engine.target.info.layer_types)),
               "commit": commit(), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "load_average": os.getloadavg(), "rows": rows,
               "mismatches": sum(v for r in rows for k, v in r.items() if k.endswith("_mismatches"))}

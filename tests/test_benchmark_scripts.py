@@ -101,6 +101,18 @@ def test_batch_generate_benchmark_reports_every_arm_and_identical_outputs(tmp_pa
     assert three["spec_computed_tokens"] > three["spec_forwards"] > 0
 
 
+def test_batch_generate_builds_a_hybrid_mid_pair(tmp_path):
+    """``--mid H,L --family qwen3_5``: a Gated DeltaNet hybrid's batched rows against its plain
+    batched decoding, every request equal to its single-stream run."""
+    out = tmp_path / "batch.json"
+    text = run("benchmarks/batch_generate.py", "--mid", "64,4", "--family", "qwen3_5", "--concurrency", "2",
+               "--max-new-tokens", "6", "--repeats", "1", "--arms", "spec,plain", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert "mid 64,4 qwen3_5" in text and report["mismatches"] == 0, text
+    assert report["layer_types"] == ["full_attention", "linear_attention"], report["layer_types"]
+    assert report["rows"][0]["spec_computed_tokens"] > report["rows"][0]["spec_forwards"] > 0
+
+
 def test_batch_joins_benchmark_reports_both_measurements(tmp_path, planted_pair):
     """benchmarks/batch_joins.py: joining together against one by one (the same first tokens, or
     it exits 1), the waits while a long prompt joins, chunked and whole, and while a request that
