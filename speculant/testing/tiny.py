@@ -97,10 +97,12 @@ def plant_bias(model, strength: float, token: int | None, seed: int) -> int:
 
 
 def target_layer_ids_for(num_target_layers: int, num_features: int) -> list[int]:
-    """The published default: evenly from layer 1 to layer N-3."""
+    """The published default: evenly from layer 1 to layer N-3 (kept within the target's layers for
+    targets of fewer than 4, which the published rule does not cover)."""
     if num_features == 1:
         return [num_target_layers // 2]
-    return [int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features)]
+    return [min(max(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))), 0), num_target_layers - 1)
+            for i in range(num_features)]
 
 
 def build_tiny_dflash(
