@@ -19,7 +19,8 @@ the mean acceptance per request (spec and single), each batched arm's batched fo
 tokens they computed, padding included (``forwards/tokens``: where two arms did the same work, a
 difference in their speed is the machine's), and how many requests' tokens differ from their
 single-stream run (spec and plain; printed loudly, must be 0).
-One warm-up of every arm before timing.
+One warm-up of every arm before timing, and of the batched arms at each concurrency (4 new tokens:
+the first batch of that many rows pays one-time costs, which went to whichever arm ran first).
 
     python benchmarks/batch_generate.py [--backend torch|mlx] [--config FILE | --mid 1024,8 [--family F] | --pair NAME]
         [--concurrency 1,4,16,32] [--max-new-tokens 64] [--repeats 3] [--threads 1] [--out FILE.json]
@@ -126,6 +127,8 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
     acceptance: dict[str, list[float]] = {"spec": [], "single": []}
     batched_cycles: list[int] = []
     work: dict[str, list[tuple[int, int]]] = {arm: [] for arm in arms if arm != "single"}
+    for arm in work if c > 1 else ():  # untimed: what a first batch of c rows costs once (kernels for its
+        run_arm(arm, engines, prompts, c, min(4, args.max_new_tokens))  # shapes) is paid by neither arm's repeats
     for repeat in range(args.repeats):
         results = {}
         for arm in (arms if repeat % 2 == 0 else arms[::-1]):
