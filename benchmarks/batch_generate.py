@@ -127,8 +127,9 @@ def measure(engines: dict, arms: list[str], c: int, args: argparse.Namespace) ->
     acceptance: dict[str, list[float]] = {"spec": [], "single": []}
     batched_cycles: list[int] = []
     work: dict[str, list[tuple[int, int]]] = {arm: [] for arm in arms if arm != "single"}
-    for arm in work if c > 1 else ():  # untimed: what a first batch of c rows costs once (kernels for its
-        run_arm(arm, engines, prompts, c, min(4, args.max_new_tokens))  # shapes) is paid by neither arm's repeats
+    # untimed: what a process's first batch of c rows costs once is paid by neither arm's repeats
+    for arm in work if c > 1 else ():
+        run_arm(arm, engines, prompts, c, min(4, args.max_new_tokens))
     for repeat in range(args.repeats):
         results = {}
         for arm in (arms if repeat % 2 == 0 else arms[::-1]):
