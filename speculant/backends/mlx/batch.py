@@ -210,9 +210,8 @@ class MLXBatch(BatchedTarget):
         recorder.start(capture)
         try:
             # a verify records each position's Gated DeltaNet states (caches.py), a join's prefill none
-            trees = nullcontext() if branches is None else \
-                rows_positions(self.target.model, query_d, self.target.attentions())
-            with recording(layers) if book is self.book else nullcontext(), trees:
+            with recording(layers) if book is self.book else nullcontext(), \
+                    rows_positions(self.target.attentions(), query_d) if branches is not None else nullcontext():
                 logits = self.target.model(mx.array(ids), cache=layers)
         except BaseException:
             recorder.start(Capture())  # stop recording; keep the original error

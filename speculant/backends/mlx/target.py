@@ -286,7 +286,7 @@ class MLXTarget(TargetModel):
         if self._static is not None:
             self._static.hold(tree.size)  # a ring holds window - 1 + the tree's rows
         ids = mx.array(list(tree.tokens), dtype=mx.int32)
-        with tree_forward(self.model, self.cache, tree, self.attentions()):
+        with tree_forward(self.attentions(), self.cache, tree):
             # eager over a static cache: a compiled trace would keep this tree's mask
             logits, features, final = self._run(ids, capture, compiled=False, record=bool(self._delta_layers))
         self._tree = tree

@@ -63,10 +63,9 @@ class RowsRope(Wrapper):
 
 
 @contextmanager
-def rows_positions(model: nn.Module, positions: mx.array, attentions: list | None = None) -> Iterator[None]:
-    """Within: ``model``'s attention rotates row ``r``'s column ``j`` at ``positions[r, j]``
-    (``attentions``: its attention modules, as :func:`attention_modules` finds them)."""
-    attentions = attention_modules(model) if attentions is None else attentions
+def rows_positions(attentions: list, positions: mx.array) -> Iterator[None]:
+    """Within: a model's ``attentions`` (:func:`attention_modules`) rotate row ``r``'s column
+    ``j`` at ``positions[r, j]``."""
     ropes = [a["rope"] for a in attentions]
     for a, rope in zip(attentions, ropes):
         a.rope = RowsRope(rope, positions)
@@ -97,10 +96,9 @@ def rope_problem(model: nn.Module, caches: list) -> str | None:
 
 
 @contextmanager
-def tree_forward(model: nn.Module, caches: list, tree: DraftTree, attentions: list | None = None) -> Iterator[None]:
-    """Within: forwards of ``model`` over ``caches`` run ``tree``'s nodes (positions and masks;
-    ``attentions`` as for :func:`rows_positions`)."""
-    attentions = attention_modules(model) if attentions is None else attentions
+def tree_forward(attentions: list, caches: list, tree: DraftTree) -> Iterator[None]:
+    """Within: forwards of a model (its ``attentions``: :func:`attention_modules`) over ``caches``
+    run ``tree``'s nodes (positions and masks)."""
     ropes = [a["rope"] for a in attentions]
     for a, rope in zip(attentions, ropes):
         a.rope = TreeRope(rope, tree.depths)
