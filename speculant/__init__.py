@@ -6,19 +6,21 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineConfig", "GenerationStats", "load_engine", "validate", "__version__"]
+__all__ = ["Engine", "EngineConfig", "GenerationStats", "load_engine", "load_pair", "validate", "__version__"]
 
 if TYPE_CHECKING:
     from speculant.api import load_engine, validate
     from speculant.core.config import EngineConfig
     from speculant.core.engine import Engine
     from speculant.core.metrics import GenerationStats
+    from speculant.pairs import load_pair
 
 _LAZY = {
     "Engine": "speculant.core.engine",
     "EngineConfig": "speculant.core.config",
     "GenerationStats": "speculant.core.metrics",
     "load_engine": "speculant.api",
+    "load_pair": "speculant.pairs",
     "validate": "speculant.api",
 }
 

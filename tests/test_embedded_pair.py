@@ -126,6 +126,22 @@ def test_generate_compare_reports_the_speed_up_and_identical_output():
     assert "identical output: all" in proc.stderr
 
 
+def test_load_pair_gives_python_the_engine_the_cli_runs():
+    from speculant.core.config import EngineConfig
+    from speculant.core.errors import SettingError
+    from speculant.pairs import PullError
+
+    engine = speculant.load_pair("tiny", backend="torch")
+    assert engine.config == EngineConfig.load(embedded.engine_config(embedded.DEFAULT_DRAFTER, backend="torch"))
+    assert speculant.load_pair("tiny", drafter="none", backend="torch").drafter is None
+    with pytest.raises(SettingError, match="messages: the target's tokenizer has no chat template"):
+        engine.chat_ids("hi")  # the code model has none: prompts are text there
+    with pytest.raises(ValueError, match="eagle"):
+        speculant.load_pair("tiny", drafter="eagle")
+    with pytest.raises(PullError, match="unknown pair 'llama70b'"):
+        speculant.load_pair("llama70b")
+
+
 def test_generate_without_a_config_refuses_a_foreign_draft():
     proc = cli("generate", PROMPT, "--draft", "/nonexistent")
     assert proc.returncode == 2

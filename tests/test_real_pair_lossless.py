@@ -106,6 +106,24 @@ def test_serve_answers_chat_through_the_openai_client_as_plain_decoding_does(pai
     assert whole.usage.completion_tokens == len(expected.token_ids)
 
 
+def test_load_pair_chats_with_smollm2_and_batches_chats_as_each_alone(pair, monkeypatch, torch_threads):
+    """From Python as from the command line: ``speculant.load_pair()`` is SmolLM2 with prompt lookup,
+    and ``engine.chat_ids`` renders chat messages for ``run_many``, whose greedy answers equal each
+    chat's own ``run``."""
+    target = pair[0]
+    monkeypatch.delenv("SPECULANT_PAIR", raising=False)  # the tests' default is tiny
+    monkeypatch.setenv("SPECULANT_HOME", str(target.parents[1]))
+    engine = speculant.load_pair(backend="torch")
+    assert engine.config.target.path == target
+    assert engine.config.drafter.lookup.enabled and not engine.config.drafter.enabled
+    french = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Name a colour."}]
+    prompts = [engine.chat_ids(text) for text in PROMPTS] + [engine.chat_ids(french)]
+    assert prompts[0] == chat(engine, PROMPTS[0]) and prompts[3] != engine.chat_ids(french[1:])
+    together = engine.run_many(prompt_ids=prompts, max_new_tokens=24)
+    assert [r.token_ids for r in together] == [engine.run(prompt_ids=p, max_new_tokens=24).token_ids for p in prompts]
+    assert "def " in together[0].text, together[0].text
+
+
 def test_the_readme_run_command_chats_with_smollm2_by_default(pair):
     """README's run command, no config and no --pair: SmolLM2 answers the chat prompt (prompt
     lookup alone, no drafter ships for it yet) with plain decoding's tokens, and says so."""

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import operator
 import threading
 import warnings
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -19,7 +18,7 @@ from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.prefix_disk import prefix_store
 from speculant.core.problems import Report
-from speculant.core.request import Request
+from speculant.core.request import Request, checked_ids
 from speculant.core.scheduler import Scheduler
 from speculant.core.schema import error_lines
 from speculant.core.types import Capture, Chunk
@@ -92,6 +91,13 @@ class Engine:
         from speculant.core.session import Session
 
         return Session(self, system)
+
+    def chat_ids(self, messages: "str | Sequence[Mapping[str, str]]") -> list[int]:
+        """Prompt ids of a chat for ``prompt_ids=``: ``messages`` (role / content dicts, or one user
+        message's text) rendered by the target's chat template (SettingError where it has none)."""
+        from speculant.core.session import chat_ids
+
+        return chat_ids(self.tokenizer, messages)
 
     @property
     def speculative(self) -> bool:
@@ -229,7 +235,7 @@ class Engine:
             if self.tokenizer is None:
                 raise SettingError("prompt: the target folder has no tokenizer: pass prompt_ids instead of a text prompt", "prompt")
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special) if prompt else []
-        ids = _token_ids(prompt_ids)
+        ids = checked_ids(prompt_ids)
         if not ids:
             field = "prompt_ids" if prompt is None else "prompt"
             raise SettingError(f"{field}: the prompt is empty: give at least one token", field)
@@ -350,30 +356,6 @@ class Engine:
 _BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "
          "that is still open); exhaust, close() or cancel() that generator first (`with engine.generate(...) as g:` "
          "closes it for you), or give each thread its own engine")
-
-
-def _token_ids(values: Sequence[int]) -> list[int]:
-    """Integer token ids; floats and bools are refused rather than converted with ``int()``."""
-    if isinstance(values, (str, bytes)):
-        raise SettingError("prompt_ids: must be a sequence of integer token ids, not a string", "prompt_ids")
-    if isinstance(values, (Set, Mapping)):  # no order to read the prompt in
-        raise SettingError(f"prompt_ids: must be an ordered sequence of integer token ids (a list), not a "
-                           f"{type(values).__name__}", "prompt_ids")
-    try:
-        items = list(values)
-    except TypeError:
-        raise SettingError(f"prompt_ids: must be a sequence of integer token ids, got {type(values).__name__}",
-                           "prompt_ids") from None
-    ids = []
-    for t in items:
-        if isinstance(t, bool) or "bool" in type(t).__name__ or "bool" in str(getattr(t, "dtype", "")):
-            raise SettingError(f"prompt_ids: must hold integer token ids, got a boolean {t!r}", "prompt_ids")
-        try:
-            ids.append(operator.index(t))
-        except TypeError:
-            raise SettingError(f"prompt_ids: must hold integer token ids, got {t!r} ({type(t).__name__})",
-                               "prompt_ids") from None
-    return ids
 
 
 def _section(model, name: str, data: dict):

@@ -1,9 +1,13 @@
-"""A request in the scheduler (core/scheduler.py): its loop and the text stream it sends."""
+"""A request in the scheduler (core/scheduler.py): its loop and the text stream it sends; its
+prompt ids, checked."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import operator
+from collections.abc import Mapping, Set
+from typing import TYPE_CHECKING, Sequence
 
+from speculant.core.errors import SettingError
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Chunk
 
@@ -38,3 +42,27 @@ class Request:
             stats = self.loop.stats
             self._final = Chunk(self.decoder.flush(), [], stats.stop_reason, stats, self.error)
         return self._final
+
+
+def checked_ids(values: Sequence[int]) -> list[int]:
+    """Integer token ids; floats and bools are refused rather than converted with ``int()``."""
+    if isinstance(values, (str, bytes)):
+        raise SettingError("prompt_ids: must be a sequence of integer token ids, not a string", "prompt_ids")
+    if isinstance(values, (Set, Mapping)):  # no order to read the prompt in
+        raise SettingError(f"prompt_ids: must be an ordered sequence of integer token ids (a list), not a "
+                           f"{type(values).__name__}", "prompt_ids")
+    try:
+        items = list(values)
+    except TypeError:
+        raise SettingError(f"prompt_ids: must be a sequence of integer token ids, got {type(values).__name__}",
+                           "prompt_ids") from None
+    ids = []
+    for t in items:
+        if isinstance(t, bool) or "bool" in type(t).__name__ or "bool" in str(getattr(t, "dtype", "")):
+            raise SettingError(f"prompt_ids: must hold integer token ids, got a boolean {t!r}", "prompt_ids")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise SettingError(f"prompt_ids: must hold integer token ids, got {t!r} ({type(t).__name__})",
+                               "prompt_ids") from None
+    return ids

@@ -15,7 +15,7 @@ the new part is prefilled. Two ways to hold the conversation:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from speculant.core.errors import SettingError
 from speculant.core.types import Chunk
@@ -39,7 +39,8 @@ class Session:
     def stream(self, text: str, **settings: Any) -> Iterator[Chunk]:
         """Send a user message; yield the reply chunk by chunk (kept in ``messages`` once it ends)."""
         messages = self.messages + [{"role": "user", "content": text}]
-        ids = self.engine.tokenizer.encode(self._render(messages), add_special_tokens=False)
+        ids = chat_ids(self.engine.tokenizer, messages, "session",
+                       "hold the conversation as token ids with session.extend(prompt_ids)")
         reply = []
         with self.engine.generate(prompt_ids=ids, **settings) as generation:
             for chunk in generation:
@@ -59,12 +60,22 @@ class Session:
             yield from generation
         self.token_ids = ids + generation.token_ids
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise SettingError("session: the target's tokenizer has no chat template; hold the conversation "
-                               "as token ids with session.extend(prompt_ids)", "prompt")
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+def chat_ids(tokenizer: Any, messages: str | Sequence[Mapping[str, str]], field: str = "messages",
+             instead: str = "give the prompt as text or token ids instead") -> list[int]:
+    """The prompt ids of a chat: ``messages`` (role / content dicts, or one user message's text)
+    rendered by the tokenizer's chat template, the assistant's turn opened. A SettingError naming
+    ``field`` (and what to do ``instead``) where the tokenizer has no template, or where the
+    template refuses the messages."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise SettingError(f"{field}: the target's tokenizer has no chat template; {instead}", field)
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001  the template's own refusal (a role it does not know, ...)
+        raise SettingError(f"{field}: the chat template cannot render these messages: {exc}", field) from None
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _collected(chunks: Iterator[Chunk]) -> "GenerationResult":

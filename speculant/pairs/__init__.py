@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from speculant.pairs.pull import PullError, WheelSource, pull, speculant_home
 
-__all__ = ["PAIRS", "DEFAULT_PAIR", "PAIR_ENV", "PairPaths", "default_pair", "PullError", "ensure_pair",
+if TYPE_CHECKING:
+    from speculant.core.engine import Engine
+
+__all__ = ["PAIRS", "DEFAULT_PAIR", "PAIR_ENV", "PairPaths", "default_pair", "PullError", "ensure_pair", "load_pair",
            "engine_config", "drafters", "speculant_home"]
 
 PACKAGE_DIR = Path(__file__).parent
@@ -101,3 +104,13 @@ def engine_config(name: str, drafter: str | None = None, backend: str | None = N
         offered = ", ".join([*paths.drafters, "none"])
         raise ValueError(f"the {name} pair ships drafters: {offered}; got {chosen!r}")
     return config
+
+
+def load_pair(name: str | None = None, drafter: str | None = None, backend: str | None = None) -> "Engine":
+    """An engine over pair ``name`` as ``speculant generate`` runs it with no config (default:
+    :func:`default_pair`, SmolLM2, its target fetched and cached on first use): ``drafter`` a kind
+    the pair ships, ``"none"`` for plain decoding, or None for the pair's default; ``backend``
+    ``"torch"`` or ``"mlx"`` (default: the one installed)."""
+    from speculant.api import load_engine
+
+    return load_engine(engine_config(default_pair() if name is None else name, drafter, backend))
