@@ -119,6 +119,28 @@ def test_generation_stops_at_the_window(spec, plain):
     assert result.token_ids == plain.run(prompt_ids=prompt, max_new_tokens=50, ignore_eos=True).token_ids
 
 
+def test_a_bad_prompt_among_many_is_named_by_its_index_before_anything_runs(plain):
+    """``generate_many`` checks every prompt and setting first; an error names the prompt to fix."""
+    from speculant.core.errors import SettingError
+
+    window = plain.target.info.max_position_embeddings
+    with pytest.raises(ContextTooLongError, match="^prompt 2: the prompt has"):
+        plain.run_many(prompt_ids=[[5, 6], [7], [5] * window], max_new_tokens=4)
+    with pytest.raises(SettingError, match="^prompt 1: prompt_ids: contains ids outside the vocabulary"):
+        plain.run_many(prompt_ids=[[5, 6], [10**6]], max_new_tokens=4)
+    with pytest.raises(SettingError, match="^prompt 0: prompt_ids: the prompt is empty"):
+        plain.run_many(prompt_ids=[[], [5]], max_new_tokens=4)
+    with pytest.raises(SettingError, match="^prompt 1: "):
+        plain.run_many(["def f():", ""], max_new_tokens=4)
+    with pytest.raises(SettingError, match="prompts / prompt_ids: pass exactly one"):
+        plain.run_many(["def f():"], prompt_ids=[[5]])
+    with pytest.raises(SettingError, match="not one string"):
+        plain.run_many("def f():")
+    with pytest.raises(SettingError, match="max_batch: must be a whole number of at least 1, got 0"):
+        plain.run_many(prompt_ids=[[5]], max_batch=0)
+    assert plain.run_many(prompt_ids=[[5, 6], [7]], max_new_tokens=2)  # the engine was left free
+
+
 def test_bad_prompt_ids(plain):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         plain.run(prompt_ids=[10**6], max_new_tokens=2)
