@@ -87,6 +87,37 @@ def test_keyboard_interrupt_returns_what_was_produced(planted_pair):
     assert produced == expected.token_ids
 
 
+def test_keyboard_interrupt_in_run_many_returns_what_each_request_produced(planted_pair):
+    """Ctrl-C inside a batched forward ends every request with its tokens so far (``interrupted``),
+    a request still waiting for a slot with none, and leaves the engine usable."""
+    from speculant.backends.torch.target import decoder_parts
+
+    engine = make(planted_pair["target"], planted_pair["draft"])
+    calls = {"n": 0}
+
+    def tick(*_):  # where Ctrl-C lands: the first decoder layer of the 5th forward
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+
+    prompts = [[5, 6, 7], [8, 9], [5, 9, 6, 8]]
+    handle = decoder_parts(engine.target.model)[1][0].register_forward_pre_hook(tick)
+    try:
+        results = engine.run_many(prompt_ids=prompts, max_new_tokens=100, ignore_eos=True, max_batch=2)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped run_many: every request's tokens were lost")
+    finally:
+        handle.remove()
+    assert calls["n"] == 5 and [r.stats.stop_reason for r in results] == ["interrupted"] * 3
+    assert [len(r.token_ids) > 0 for r in results] == [True, True, False]  # the third never got a slot
+    plain = make(planted_pair["target"])
+    for ids, result in zip(prompts, results):
+        assert result.stats.new_tokens == len(result.token_ids) < 100
+        assert result.token_ids == plain.run(prompt_ids=ids, max_new_tokens=max(1, len(result.token_ids)),
+                                             ignore_eos=True).token_ids[:len(result.token_ids)]
+    assert len(engine.run_many(prompt_ids=prompts, max_new_tokens=3)) == 3
+
+
 def test_nan_logits_raise_with_tokens_so_far(tmp_path, torch_threads):
     from safetensors.torch import load_file, save_file
 

@@ -198,7 +198,14 @@ class Engine:
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
         ends: dict[int, Chunk] = {}
-        for index, chunk in self.generate_many(prompts, **kwargs):
+        many = self.generate_many(prompts, **kwargs)
+        while True:
+            try:
+                index, chunk = next(many)
+            except KeyboardInterrupt:  # here, between chunks: generate_many ends the requests as in a cycle
+                index, chunk = many.throw(KeyboardInterrupt())
+            except StopIteration:
+                break
             texts.setdefault(index, []).append(chunk.text)
             ids.setdefault(index, []).extend(chunk.token_ids)
             if chunk.stop_reason is not None:
@@ -313,8 +320,16 @@ class Engine:
             for request in requests:
                 scheduler.add(request)
             events = scheduler.run()
-            for request, chunk in events:
-                yield request.key, chunk
+            ended = set()
+            try:
+                for request, chunk in events:
+                    ended.update([request.key] if chunk.stop_reason is not None else [])
+                    yield request.key, chunk
+            except KeyboardInterrupt:  # Ctrl-C: every request ends with what it produced, as one alone does
+                for request in requests:
+                    if request.key not in ended:
+                        request.loop.stop("interrupted")
+                        yield request.key, request.final()
         finally:
             if events is not None:
                 events.close()
