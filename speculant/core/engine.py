@@ -183,14 +183,13 @@ class Engine:
             raise SettingError("prompts / prompt_ids: pass exactly one of prompts or prompt_ids", "prompts")
         if isinstance(prompts, str):
             raise SettingError("prompts: must be a list of prompts, not one string; use generate() for one", "prompts")
-        items = (_numbered(lambda p: self._prompt_ids(p, None, add_special), prompts) if prompts is not None
-                 else _numbered(lambda ids: self._prompt_ids(None, ids), prompt_ids))
+        items = (_numbered(lambda _, p: self._prompt_ids(p, None, add_special), prompts) if prompts is not None
+                 else _numbered(lambda _, ids: self._prompt_ids(None, ids), prompt_ids))
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise SettingError(f"max_batch: must be a whole number of at least 1, got {max_batch!r}", "max_batch")
         sampling, generation, block = self._settings(max_new_tokens, overrides)
         # a too-long prompt fails here, before anything runs
-        requests = _numbered(lambda i_ids: self._request(i_ids[1], sampling, generation, block, key=i_ids[0]),
-                             list(enumerate(items)))
+        requests = _numbered(lambda i, ids: self._request(ids, sampling, generation, block, key=i), items)
         return self._many(requests, max_batch or max(1, len(requests)))
 
     def run_many(self, prompts: Sequence[str] | None = None, **kwargs: Any) -> list[GenerationResult]:
@@ -323,7 +322,8 @@ class Engine:
             ended = set()
             try:
                 for request, chunk in events:
-                    ended.update([request.key] if chunk.stop_reason is not None else [])
+                    if chunk.stop_reason is not None:
+                        ended.add(request.key)
                     yield request.key, chunk
             except KeyboardInterrupt:  # Ctrl-C: every request ends with what it produced, as one alone does
                 for request in requests:
@@ -374,13 +374,13 @@ _BUSY = ("this engine is already generating (another thread, or a generator from
          "closes it for you), or give each thread its own engine")
 
 
-def _numbered(make: Callable[[Any], Any], values: Sequence[Any]) -> list[Any]:
-    """``make(value)`` for each of ``values``; a bad one's error names its index (``prompt 3: ...``),
-    so a batch's caller knows which prompt to fix."""
+def _numbered(make: Callable[[int, Any], Any], values: Sequence[Any]) -> list[Any]:
+    """``make(index, value)`` for each of ``values``; a bad one's error names its index
+    (``prompt 3: ...``), so a batch's caller knows which prompt to fix."""
     out = []
     for i, value in enumerate(values):
         try:
-            out.append(make(value))
+            out.append(make(i, value))
         except (SettingError, ContextTooLongError) as exc:
             exc.args = (f"prompt {i}: {exc.args[0]}", *exc.args[1:])
             raise
