@@ -8,6 +8,8 @@ per request, and a row whose logits are not a distribution ends alone.
 - A target whose embedding row for one token is NaN (a real checkpoint, damaged): the request
   that emits that token stops with NonFiniteLogitsError, keeping its tokens up to it, while the
   requests beside it equal their solo runs.
+- Requests that reach the context window while batched stop there (``context_length``) with their
+  solo tokens, and the others go on to their own ends.
 """
 
 from __future__ import annotations
@@ -167,3 +169,19 @@ def test_batched_rows_take_the_plans_widths_not_their_verifiers_warm_up(planted_
         assert actions.count("batched") == r.stats.batched_cycles > 0 and "plain:warmup" not in actions, actions
     after = engine.run(prompt_ids=PROMPTS[0], max_new_tokens=24)  # on the engine's verifier, freed by the batch
     assert after.token_ids == solo[0].token_ids and "batched" not in after.stats.verifier["actions"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_requests_reaching_the_context_window_stop_there_alone(planted_pair, backend):
+    engine = load_engine({"backend": {"kind": backend, "device": "cpu", "dtype": "float32"},
+                          "target": {"path": str(planted_pair["target"])},
+                          "drafter": {"kind": "dflash", "path": str(planted_pair["draft"])}})
+    window = engine.target.info.max_position_embeddings
+    prompts = [[5, 6, 7] * ((window - 20) // 3), [5, 6], [7, 8, 9], [5, 6, 7] * ((window - 40) // 3)]
+    results = engine.run_many(prompt_ids=prompts, max_new_tokens=60, ignore_eos=True)
+    assert [r.stats.stop_reason for r in results] == ["context_length", "max_new_tokens", "max_new_tokens",
+                                                      "context_length"]
+    assert [len(p) + len(r.token_ids) for p, r in zip(prompts, results)] == [window, 62, 63, window]
+    assert all(r.stats.batched_cycles > 0 for r in results)
+    solo = [engine.run(prompt_ids=p, max_new_tokens=60, ignore_eos=True).token_ids for p in prompts]
+    assert [r.token_ids for r in results] == solo
