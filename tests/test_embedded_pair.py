@@ -142,6 +142,16 @@ def test_load_pair_gives_python_the_engine_the_cli_runs():
         speculant.load_pair("llama70b")
 
 
+def test_copies_of_a_prompt_sampled_with_one_seed_are_other_samples():
+    """``run_many`` with a seed: each request draws from its own child of it (the first from the
+    seed itself, as ``run`` does), so n copies of a prompt are n samples, not one repeated."""
+    chain = engine("dflash2", verifier="speculative_sampling")
+    settings = dict(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    copies = chain.run_many([PROMPT] * 4, **settings)
+    assert len({tuple(r.token_ids) for r in copies}) == 4
+    assert chain.run_many([PROMPT], **settings)[0].token_ids == chain.run(PROMPT, **settings).token_ids
+
+
 def test_generate_without_a_config_refuses_a_foreign_draft():
     proc = cli("generate", PROMPT, "--draft", "/nonexistent")
     assert proc.returncode == 2

@@ -174,7 +174,9 @@ class Engine:
 
         Greedy, each request's output is the one :meth:`generate` gives it alone (the same
         settings: ``overrides`` as for :meth:`generate`); sampled, it follows the same distribution,
-        but a seed does not repeat the solo run's draws (a batch may verify other widths). Every
+        and a seed repeats the solo run's draws only for the first request (each other one draws from
+        its own child of the seed, so copies of one prompt give other samples) and only where the
+        batch verifies the same widths. Every
         prompt and setting is checked before anything runs; the engine is held until the iterator
         is exhausted or closed."""
         add_special = overrides.pop("add_special_tokens", True)
@@ -308,7 +310,7 @@ class Engine:
         return Generation(self._locked_stream(prompt_ids, sampling_cfg, generation, block, record), record)
 
     def _request(self, ids, sampling, generation, block, cancel=None, key=None) -> Request:
-        return Request(Loop(self, ids, sampling, generation, block, cancel), generation.stop_strings, key)
+        return Request(Loop(self, ids, sampling, generation, block, cancel, stream=key), generation.stop_strings, key)
 
     def _many(self, requests: list[Request], max_batch: int) -> Iterator[tuple[int, Chunk]]:
         if not self._busy.acquire(blocking=False):

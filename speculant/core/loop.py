@@ -51,14 +51,16 @@ class Loop(BatchedLoop):
     """One generation: prefill, then draft / verify / commit cycles."""
 
     def __init__(self, engine: "Engine", prompt_ids, sampling_cfg: SamplingConfig, generation: GenerationConfig, block: int,
-                 cancel: threading.Event | None = None):
+                 cancel: threading.Event | None = None, stream: int | None = None):
         self.e = engine
         # this sequence's own drafter and verifier state; the scheduler hands a batched one its own
         self.drafter, self.verifier = engine.drafter, engine.verifier
         self.cancel = cancel or threading.Event()
         self.prompt_ids = prompt_ids
         self.sampling = SamplingParams(sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k)
-        seeds = np.random.SeedSequence(sampling_cfg.seed).spawn(2)
+        # request ``stream`` of a batch sharing one seed draws from its own child of that seed (the
+        # first from the seed itself, as it would alone): copies of one prompt are other samples
+        seeds = np.random.SeedSequence(sampling_cfg.seed, spawn_key=(stream,) if stream else ()).spawn(2)
         self.verify_rng, self.draft_rng = (np.random.default_rng(seed) for seed in seeds)
         self.max_new = generation.max_new_tokens
         self.stop_ids = engine._stop_ids(generation)
