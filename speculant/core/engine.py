@@ -7,18 +7,18 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from speculant.core.batch_plan import BatchPlan
 from speculant.core.config import DrafterConfig, EngineConfig, GenerationConfig, SamplingConfig
-from speculant.core.errors import ContextTooLongError, EngineBusyError, SettingError
+from speculant.core.errors import EngineBusyError, SettingError
 from speculant.core.interfaces import Backend, Drafter, TargetModel, Verifier
 from speculant.core.generation import Generation, _Cancelled, _Record
 from speculant.core.loop import Loop
 from speculant.core.metrics import GenerationStats
 from speculant.core.prefix_disk import prefix_store
 from speculant.core.problems import Report
-from speculant.core.request import Request, checked_ids
+from speculant.core.request import Request, checked_ids, numbered
 from speculant.core.scheduler import Scheduler
 from speculant.core.schema import error_lines
 from speculant.core.types import Capture, Chunk
@@ -185,13 +185,13 @@ class Engine:
             raise SettingError("prompts / prompt_ids: pass exactly one of prompts or prompt_ids", "prompts")
         if isinstance(prompts, str):
             raise SettingError("prompts: must be a list of prompts, not one string; use generate() for one", "prompts")
-        items = (_numbered(lambda _, p: self._prompt_ids(p, None, add_special), prompts) if prompts is not None
-                 else _numbered(lambda _, ids: self._prompt_ids(None, ids), prompt_ids))
+        items = (numbered(lambda _, p: self._prompt_ids(p, None, add_special), prompts) if prompts is not None
+                 else numbered(lambda _, ids: self._prompt_ids(None, ids), prompt_ids))
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise SettingError(f"max_batch: must be a whole number of at least 1, got {max_batch!r}", "max_batch")
         sampling, generation, block = self._settings(max_new_tokens, overrides)
         # a too-long prompt fails here, before anything runs
-        requests = _numbered(lambda i, ids: self._request(ids, sampling, generation, block, key=i), items)
+        requests = numbered(lambda i, ids: self._request(ids, sampling, generation, block, key=i), items)
         return self._many(requests, max_batch or max(1, len(requests)))
 
     def run_many(self, prompts: Sequence[str] | None = None, **kwargs: Any) -> list[GenerationResult]:
@@ -374,19 +374,6 @@ class Engine:
 _BUSY = ("this engine is already generating (another thread, or a generator from an earlier generate() call "
          "that is still open); exhaust, close() or cancel() that generator first (`with engine.generate(...) as g:` "
          "closes it for you), or give each thread its own engine")
-
-
-def _numbered(make: Callable[[int, Any], Any], values: Sequence[Any]) -> list[Any]:
-    """``make(index, value)`` for each of ``values``; a bad one's error names its index
-    (``prompt 3: ...``), so a batch's caller knows which prompt to fix."""
-    out = []
-    for i, value in enumerate(values):
-        try:
-            out.append(make(i, value))
-        except (SettingError, ContextTooLongError) as exc:
-            exc.args = (f"prompt {i}: {exc.args[0]}", *exc.args[1:])
-            raise
-    return out
 
 
 def _section(model, name: str, data: dict):

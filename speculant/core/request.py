@@ -1,13 +1,13 @@
 """A request in the scheduler (core/scheduler.py): its loop and the text stream it sends; its
-prompt ids, checked."""
+prompt ids, checked, and a batch's errors numbered by prompt."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Set
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from speculant.core.errors import SettingError
+from speculant.core.errors import ContextTooLongError, SettingError
 from speculant.core.text import StreamDecoder
 from speculant.core.types import Chunk
 
@@ -66,3 +66,16 @@ def checked_ids(values: Sequence[int]) -> list[int]:
             raise SettingError(f"prompt_ids: must hold integer token ids, got {t!r} ({type(t).__name__})",
                                "prompt_ids") from None
     return ids
+
+
+def numbered(make: Callable[[int, Any], Any], values: Sequence[Any]) -> list[Any]:
+    """``make(index, value)`` for each of ``values``; a bad one's error names its index
+    (``prompt 3: ...``), so a batch's caller knows which prompt to fix."""
+    out = []
+    for i, value in enumerate(values):
+        try:
+            out.append(make(i, value))
+        except (SettingError, ContextTooLongError) as exc:
+            exc.args = (f"prompt {i}: {exc.args[0]}", *exc.args[1:])
+            raise
+    return out
