@@ -61,20 +61,20 @@ class Session:
         self.token_ids = ids + generation.token_ids
 
 
-def chat_ids(tokenizer: Any, messages: str | Sequence[Mapping[str, str]], field: str = "messages",
+def chat_ids(tokenizer: Any, messages: str | Sequence[Mapping[str, str]], where: str = "messages",
              instead: str = "give the prompt as text or token ids instead") -> list[int]:
     """The prompt ids of a chat: ``messages`` (role / content dicts, or one user message's text)
-    rendered by the tokenizer's chat template, the assistant's turn opened. A SettingError naming
-    ``field`` (and what to do ``instead``) where the tokenizer has no template, or where the
-    template refuses the messages."""
+    rendered by the tokenizer's chat template, the assistant's turn opened. A SettingError (field
+    ``prompt``; its message starting with ``where``, saying what to do ``instead``) where the
+    tokenizer has no template, or where the template refuses the messages."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise SettingError(f"{field}: the target's tokenizer has no chat template; {instead}", field)
+        raise SettingError(f"{where}: the target's tokenizer has no chat template; {instead}", "prompt")
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     try:
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001  the template's own refusal (a role it does not know, ...)
-        raise SettingError(f"{field}: the chat template cannot render these messages: {exc}", field) from None
+        raise SettingError(f"{where}: the chat template cannot render these messages: {exc}", "prompt") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
